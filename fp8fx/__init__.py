@@ -1,0 +1,31 @@
+"""fp8fx: FP8 training and inference for PyTorch as a `torch.compile` backend.
+
+    compiled = torch.compile(model, backend="fp8fx")
+    compiled = torch.compile(model, backend=fp8fx.backend(policy="policy.yaml", inner="eager"))
+    print(fp8fx.report(compiled))
+"""
+
+from fp8fx.compiler import Fp8fxBackend, backend, report
+from fp8fx.formats import Fp8Format, FormatRecipe
+from fp8fx.policy import GemmPrecisions, Policy, PolicyError, Precision, Rule, Settings, load_policy, policy_from_yaml
+from fp8fx.reporting import OpRecord, Report
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Fp8Format",
+    "Fp8fxBackend",
+    "FormatRecipe",
+    "GemmPrecisions",
+    "OpRecord",
+    "Policy",
+    "PolicyError",
+    "Precision",
+    "Report",
+    "Rule",
+    "Settings",
+    "backend",
+    "load_policy",
+    "policy_from_yaml",
+    "report",
+]

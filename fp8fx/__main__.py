@@ -1,0 +1,3 @@
+from fp8fx.cli import main
+
+main()

@@ -1,0 +1,123 @@
+"""assign_precision: give every GEMM of every site a `Decision` - FP8 and how, or high and why.
+
+Writes `ctx.decisions` and node meta only; the graph is unchanged (annotate, then convert)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import fx
+
+from fp8fx.formats import Fp8Format
+from fp8fx.passes.find_matmuls import Gemm, MatmulSite, matmul_operands
+from fp8fx.passes.graph_utils import META_KEY, PassContext, PassResult, strip_layout
+from fp8fx.policy import Granularity, Precision, Scaling
+
+ALIGN = 16  # FP8 tensor-core GEMMs need N and K in multiples of 16
+FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class ReasonKind(str, Enum):
+    """Why a GEMM got its precision; the report groups fallbacks by these."""
+
+    POLICY = "policy"  # the policy's defaults or a rule said so
+    OP_KIND = "op_kind"  # op kind not enabled for FP8 (batched matmuls by default)
+    SHAPE = "shape"  # dimensions FP8 GEMMs cannot take
+    DTYPE = "dtype"  # operands are not fp32/bf16/fp16
+    PATTERN = "pattern"  # a form of the op fp8fx does not rewrite
+    UNLINKED = "unlinked"  # a backward GEMM with no forward site to take a policy from
+
+
+@dataclass(frozen=True)
+class Decision:
+    precision: Precision
+    reason_kind: ReasonKind
+    reason: str
+    operand_roles: tuple[str, str]  # left, right: input | weight | grad_output
+    formats: tuple[Fp8Format, Fp8Format] | None = None  # left, right when FP8
+    scaling: Scaling | None = None
+    granularity: Granularity | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.precision is Precision.FP8
+
+
+def _operand_roles(site: MatmulSite, gemm: Gemm) -> tuple[str, str]:
+    if gemm.role == "output":
+        return ("input", "weight")
+    fwd = site.forward
+    if fwd is None:
+        return ("grad_output", "grad_output")
+    f_left, f_right, _ = matmul_operands(fwd.node)
+    by_root = {strip_layout(f_left)[0]: "input", strip_layout(f_right)[0]: "weight"}
+    left, right, _ = matmul_operands(gemm.node)
+    roles = [by_root.get(strip_layout(x)[0], "grad_output") for x in (left, right)]
+    if "grad_output" not in roles:  # x @ x: one of the two must be the incoming gradient
+        roles[0] = "grad_output"
+    return roles[0], roles[1]
+
+
+def _shape_problem(site: MatmulSite) -> str | None:
+    ref = site.forward or next(iter(site.gemms.values()))
+    for dim_name, dim in (("N", ref.n), ("K", ref.k)):
+        if not isinstance(dim, int):
+            return f"{dim_name}={dim} is dynamic; FP8 needs a static {dim_name} that is a multiple of {ALIGN}"
+        if dim % ALIGN:
+            return f"{dim_name}={dim} is not a multiple of {ALIGN} (FP8 GEMMs need N and K % {ALIGN} == 0)"
+    return None
+
+
+def _operand_problem(node: fx.Node) -> tuple[ReasonKind, str] | None:
+    if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+        return ReasonKind.PATTERN, f"{node.target.__name__} with alpha/beta other than 1 is not rewritten"
+    left, right, _ = matmul_operands(node)
+    for x in (left, right):
+        dtype = x.meta["val"].dtype
+        if dtype not in FP8_INPUT_DTYPES:
+            return ReasonKind.DTYPE, f"operand dtype {dtype} is not one fp8fx casts to FP8 (fp32, bf16, fp16)"
+    return None
+
+
+def decide(site: MatmulSite, gemm: Gemm, ctx: PassContext) -> Decision:
+    roles = _operand_roles(site, gemm)
+
+    def high(kind: ReasonKind, reason: str) -> Decision:
+        return Decision(Precision.HIGH, kind, reason, roles)
+
+    if site.forward is None:
+        return high(ReasonKind.UNLINKED, "backward GEMM with no forward matmul to link it to; kept high")
+    res = ctx.policy.resolve(site.names, site.op)
+    where = res.source if res.rule_index is None else f"{res.source} (match {ctx.policy.rules[res.rule_index].match!r})"
+    if site.op not in res.settings.ops and not res.forced_fp8:
+        ops = ", ".join(res.settings.ops)
+        return high(ReasonKind.OP_KIND, f"op {site.op} is not in defaults.ops [{ops}]; a rule with precision: fp8 enables it")
+    if res.settings.gemms[gemm.role] is Precision.HIGH:
+        return high(ReasonKind.POLICY, f"{res.gemm_sources[gemm.role]}: high")
+    problem = _shape_problem(site)
+    if problem:
+        return high(ReasonKind.SHAPE, problem)
+    problem = _operand_problem(gemm.node)
+    if problem:
+        return high(*problem)
+    fmt = res.settings.format
+    return Decision(
+        Precision.FP8,
+        ReasonKind.POLICY,
+        f"{where}: fp8",
+        roles,
+        formats=(fmt.operand_format(roles[0]), fmt.operand_format(roles[1])),
+        scaling=res.settings.scaling,
+        granularity=res.settings.granularity,
+    )
+
+
+def assign_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    for site in ctx.sites:
+        for role, gemm in site.gemms.items():
+            decision = decide(site, gemm, ctx)
+            ctx.decisions[(site.name, role)] = decision
+            gemm.node.meta[META_KEY]["decision"] = decision
+    return PassResult(gm, modified=False)

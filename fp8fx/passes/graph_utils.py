@@ -1,0 +1,108 @@
+"""What every pass shares: the context and result types, the meta key, node helpers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+
+from fp8fx.policy import Policy
+
+META_KEY = "fp8fx"  # the only node-meta key fp8fx writes; PyTorch's own keys are read-only to us
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+# Ops that only re-view or copy a tensor: quantizing before them equals quantizing after them
+# for a per-tensor scale, so casts are made once on the root and the chain is replayed on FP8.
+LAYOUT_OPS = {
+    aten.t.default,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.expand.default,
+    aten.clone.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+}
+# Ops that are skipped when looking for a root and not replayed: identities, and dtype casts
+# (the FP8 cast replaces them, and casting the fp32 master value directly rounds only once).
+TRANSPARENT_OPS = {aten.detach.default, aten.alias.default}
+DTYPE_CASTS = {aten._to_copy.default, prims.convert_element_type.default}
+
+
+@dataclass
+class PassResult:
+    graph_module: fx.GraphModule
+    modified: bool
+
+
+@dataclass
+class PassContext:
+    """State handed from pass to pass for one graph."""
+
+    policy: Policy
+    sites: list = field(default_factory=list)  # MatmulSite, from find_matmuls
+    decisions: dict = field(default_factory=dict)  # (site name, role) -> Decision, from assign_precision
+    inserted: dict[str, int] = field(default_factory=dict)  # op name -> nodes inserted, from insert_casts
+
+
+def _is_dtype_cast(node: fx.Node) -> bool:
+    if node.target not in DTYPE_CASTS:
+        return False
+    src, out = node.args[0], node.meta.get("val")
+    if not isinstance(src, fx.Node) or not isinstance(out, torch.Tensor):
+        return False
+    # A copy that also moves the tensor to another device is not a plain dtype cast.
+    return src.meta["val"].device == out.device and out.dtype.is_floating_point
+
+
+def strip_layout(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """Follow layout ops, identities and dtype casts back to the producing node.
+
+    Returns (root, chain): `chain` lists the layout ops to replay on a tensor derived from the root,
+    innermost first."""
+    chain: list[fx.Node] = []
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        if node.target in LAYOUT_OPS:
+            chain.append(node)
+        elif node.target not in TRANSPARENT_OPS and not _is_dtype_cast(node):
+            break
+        node = node.args[0]
+    return node, chain[::-1]
+
+
+def fake_mode_of(graph: fx.Graph):
+    vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if mode is None:
+        raise RuntimeError("fp8fx: graph placeholders carry no fake tensors (meta['val']); cannot rewrite")
+    return mode
+
+
+def _val(arg: Any) -> Any:
+    if isinstance(arg, fx.Node):
+        return arg.meta["val"]
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_val(a) for a in arg)
+    return arg
+
+
+def add_node(graph: fx.Graph, fake_mode, target, args: tuple, kwargs: dict | None = None, *, tag_from: fx.Node) -> fx.Node:
+    """Insert `target(*args)` at the graph's current insertion point with a valid `meta["val"]`.
+
+    The node takes the partitioner tag (forward / backward) of `tag_from`, the node it serves."""
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+    with fake_mode:
+        node.meta["val"] = target(*_val(args), **_val(kwargs))
+    for key in ("partitioner_tag", "stack_trace"):
+        if key in tag_from.meta:
+            node.meta[key] = tag_from.meta[key]
+    return node

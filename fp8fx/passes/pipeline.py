@@ -1,0 +1,34 @@
+"""Run the passes in order; a failure names the pass and those that ran before it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from torch import fx
+
+from fp8fx.passes.assign_precision import assign_precision
+from fp8fx.passes.find_matmuls import find_matmuls
+from fp8fx.passes.graph_utils import PassContext, PassResult
+from fp8fx.passes.insert_casts import insert_casts
+from fp8fx.passes.verify import verify
+
+Pass = Callable[[fx.GraphModule, PassContext], PassResult]
+
+ANALYSIS_PASSES: tuple[Pass, ...] = (find_matmuls, assign_precision)
+REWRITE_PASSES: tuple[Pass, ...] = (*ANALYSIS_PASSES, insert_casts, verify)
+
+
+class PassError(RuntimeError):
+    pass
+
+
+def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass] = REWRITE_PASSES) -> fx.GraphModule:
+    done: list[str] = []
+    for p in passes:
+        try:
+            gm = p(gm, ctx).graph_module
+        except Exception as e:
+            after = f" (after {', '.join(done)})" if done else ""
+            raise PassError(f"fp8fx pass {p.__name__} failed{after}: {type(e).__name__}: {e}") from e
+        done.append(p.__name__)
+    return gm

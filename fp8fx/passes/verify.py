@@ -1,0 +1,35 @@
+"""verify: the rewritten graph is well formed and agrees with the decisions."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from fp8fx.formats import fp8_format_of
+from fp8fx.passes.graph_utils import PassContext, PassResult
+
+
+class VerifyError(RuntimeError):
+    pass
+
+
+def verify(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    gm.graph.lint()
+    scaled = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.fp8fx.scaled_mm.default]
+    n_fp8 = sum(d.fp8 for d in ctx.decisions.values())
+    if len(scaled) != n_fp8:
+        raise VerifyError(f"{len(scaled)} fp8fx::scaled_mm nodes in the graph but {n_fp8} FP8 decisions")
+    for node in gm.graph.nodes:
+        if "val" not in node.meta and node.op not in ("output",):
+            raise VerifyError(f"node without meta['val']: {node.format_node()}")
+    for node in scaled:
+        a, b, sa, sb = node.args[:4]
+        for x in (a, b):
+            try:
+                fp8_format_of(x.meta["val"].dtype)
+            except ValueError as e:
+                raise VerifyError(f"{node.format_node()}: {e}") from None
+        for s in (sa, sb):
+            if s.meta["val"].dtype != torch.float32 or s.meta["val"].numel() != 1:
+                raise VerifyError(f"{node.format_node()}: scale_inv {s.name} is not an fp32 scalar")
+    return PassResult(gm, modified=False)

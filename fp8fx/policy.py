@@ -1,0 +1,345 @@
+"""Precision policy: frozen dataclasses, strict YAML decoding, rule resolution.
+
+A policy says, per matmul site, whether each of its three GEMMs (output, grad_input,
+grad_weight) runs in FP8 and how. Rules are ordered; the first rule whose `match` (module-FQN
+glob, or `re:` regex) and `op` fit a site wins; what a rule leaves unset comes from `defaults`.
+Every value is checked where it is given: a YAML file error names the file, line and key path.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field, fields, replace
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fp8fx.formats import FormatRecipe
+
+GEMM_ROLES = ("output", "grad_input", "grad_weight")
+# TransformerEngine's names for the same three GEMMs.
+TE_GEMM_ALIASES = {"fprop": "output", "dgrad": "grad_input", "wgrad": "grad_weight"}
+OP_KINDS = ("mm", "addmm", "bmm", "baddbmm")
+
+
+class PolicyError(ValueError):
+    """A policy value is wrong. `key_path` names it (`rules[2].format`); `line` is 1-based."""
+
+    def __init__(self, key_path: str, message: str, source: str | None = None, line: int | None = None):
+        self.key_path, self.message, self.source, self.line = key_path, message, source, line
+        where = f"{source}:{line}: " if source and line else (f"{source}: " if source else "")
+        super().__init__(f"{where}{key_path}: {message}")
+
+
+class Precision(str, Enum):
+    FP8 = "fp8"
+    HIGH = "high"
+
+
+class Scaling(str, Enum):
+    DYNAMIC = "dynamic"
+
+
+class Granularity(str, Enum):
+    TENSORWISE = "tensorwise"
+
+
+def _enum(enum_type: type[Enum], value: Any, key_path: str) -> Any:
+    if isinstance(value, enum_type):
+        return value
+    allowed = "|".join(e.value for e in enum_type)
+    if isinstance(value, str):
+        try:
+            return enum_type(value.lower())
+        except ValueError:
+            pass
+    raise PolicyError(key_path, f"expected {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class GemmPrecisions:
+    """Precision of each of a site's GEMMs (TE's `override_linear_precision`, inverted)."""
+
+    output: Precision = Precision.FP8
+    grad_input: Precision = Precision.FP8
+    grad_weight: Precision = Precision.FP8
+
+    def __post_init__(self) -> None:
+        for role in GEMM_ROLES:
+            object.__setattr__(self, role, _enum(Precision, getattr(self, role), f"gemms.{role}"))
+
+    def __getitem__(self, role: str) -> Precision:
+        return getattr(self, role)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How FP8 GEMMs run, and which op kinds run in FP8 without a rule saying so."""
+
+    format: FormatRecipe = FormatRecipe.HYBRID
+    scaling: Scaling = Scaling.DYNAMIC
+    granularity: Granularity = Granularity.TENSORWISE
+    gemms: GemmPrecisions = field(default_factory=GemmPrecisions)
+    # Batched matmuls (attention scores and values) multiply two activations; like TE and
+    # DeepSeek-V3 we keep them high unless a rule turns them on.
+    ops: tuple[str, ...] = ("mm", "addmm")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "format", _enum(FormatRecipe, self.format, "format"))
+        object.__setattr__(self, "scaling", _enum(Scaling, self.scaling, "scaling"))
+        object.__setattr__(self, "granularity", _enum(Granularity, self.granularity, "granularity"))
+        object.__setattr__(self, "ops", _op_kinds(self.ops, "ops"))
+
+
+def _op_kinds(value: Any, key_path: str) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not items:
+        raise PolicyError(key_path, f"expected an op kind or a non-empty list of them ({'|'.join(OP_KINDS)}), got {value!r}")
+    for i, op in enumerate(items):
+        if op not in OP_KINDS:
+            raise PolicyError(f"{key_path}[{i}]", f"expected {'|'.join(OP_KINDS)}, got {op!r}")
+    return tuple(items)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Settings for the sites whose name or module FQN matches `match` (and whose op is in `op`).
+
+    `precision: high` keeps all three GEMMs high; `precision: fp8` makes the site eligible even
+    if its op kind is not in `defaults.ops`; `gemms` sets single GEMMs. Unset fields inherit."""
+
+    match: str
+    op: tuple[str, ...] | None = None
+    precision: Precision | None = None
+    format: FormatRecipe | None = None
+    gemms: dict[str, Precision] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.match, str) or not self.match:
+            raise PolicyError("match", f"expected a non-empty glob or 're:' regex, got {self.match!r}")
+        if self.match.startswith("re:"):
+            try:
+                re.compile(self.match[3:])
+            except re.error as e:
+                raise PolicyError("match", f"invalid regex {self.match[3:]!r}: {e}") from None
+        if self.op is not None:
+            object.__setattr__(self, "op", _op_kinds(self.op, "op"))
+        if self.precision is not None:
+            object.__setattr__(self, "precision", _enum(Precision, self.precision, "precision"))
+        if self.format is not None:
+            object.__setattr__(self, "format", _enum(FormatRecipe, self.format, "format"))
+        if self.gemms is not None:
+            object.__setattr__(self, "gemms", _gemm_overrides(self.gemms, "gemms"))
+
+    def matches(self, names: tuple[str, ...], op: str) -> bool:
+        if self.op is not None and op not in self.op:
+            return False
+        if self.match.startswith("re:"):
+            pattern = re.compile(self.match[3:])
+            return any(pattern.fullmatch(n) for n in names)
+        return any(fnmatch.fnmatchcase(n, self.match) for n in names)
+
+
+def _gemm_overrides(value: Any, key_path: str) -> dict[str, Precision]:
+    if not isinstance(value, dict) or not value:
+        raise PolicyError(key_path, f"expected a mapping of {'|'.join(GEMM_ROLES)} to fp8|high, got {value!r}")
+    out: dict[str, Precision] = {}
+    for key, prec in value.items():
+        role = TE_GEMM_ALIASES.get(key, key)
+        if role not in GEMM_ROLES:
+            names = "|".join(GEMM_ROLES + tuple(TE_GEMM_ALIASES))
+            raise PolicyError(f"{key_path}.{key}", f"unknown GEMM {key!r}; expected {names}")
+        out[role] = _enum(Precision, prec, f"{key_path}.{key}")
+    return out
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """A policy's answer for one site: its settings and where they came from."""
+
+    settings: Settings
+    rule_index: int | None  # None: defaults
+    forced_fp8: bool  # a rule said `precision: fp8`
+    gemm_sources: dict[str, str]  # role -> "defaults.gemms.output" / "rules[1].gemms.grad_weight" / ...
+
+    @property
+    def source(self) -> str:
+        return "defaults" if self.rule_index is None else f"rules[{self.rule_index}]"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A full precision policy. Build it in Python or load it with `load_policy`."""
+
+    defaults: Settings = field(default_factory=Settings)
+    rules: tuple[Rule, ...] = ()
+    source: str | None = None  # file it came from, for messages
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rules", tuple(self.rules))
+        for i, rule in enumerate(self.rules):
+            if not isinstance(rule, Rule):
+                raise PolicyError(f"rules[{i}]", f"expected a Rule, got {type(rule).__name__}")
+
+    def resolve(self, names: tuple[str, ...], op: str) -> Resolution:
+        """Settings for a site known by `names` (site name, module FQN) with op kind `op`."""
+        for index, rule in enumerate(self.rules):
+            if rule.matches(names, op):
+                return self._apply(rule, index)
+        sources = {role: f"defaults.gemms.{role}" for role in GEMM_ROLES}
+        return Resolution(self.defaults, None, False, sources)
+
+    def _apply(self, rule: Rule, index: int) -> Resolution:
+        where = f"rules[{index}]"
+        gemms = {role: self.defaults.gemms[role] for role in GEMM_ROLES}
+        sources = {role: f"defaults.gemms.{role}" for role in GEMM_ROLES}
+        if rule.precision is not None:
+            gemms = {role: rule.precision for role in GEMM_ROLES}
+            sources = {role: f"{where}.precision" for role in GEMM_ROLES}
+        for role, prec in (rule.gemms or {}).items():
+            gemms[role] = prec
+            sources[role] = f"{where}.gemms.{role}"
+        settings = replace(
+            self.defaults,
+            format=rule.format or self.defaults.format,
+            gemms=GemmPrecisions(**gemms),
+        )
+        return Resolution(settings, index, rule.precision is Precision.FP8, sources)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = self.defaults
+        out: dict[str, Any] = {
+            "version": 1,
+            "defaults": {
+                "format": d.format.value,
+                "scaling": d.scaling.value,
+                "granularity": d.granularity.value,
+                "ops": list(d.ops),
+                "gemms": {role: d.gemms[role].value for role in GEMM_ROLES},
+            },
+            "rules": [],
+        }
+        for rule in self.rules:
+            r: dict[str, Any] = {"match": rule.match}
+            if rule.op is not None:
+                r["op"] = list(rule.op)
+            if rule.precision is not None:
+                r["precision"] = rule.precision.value
+            if rule.format is not None:
+                r["format"] = rule.format.value
+            if rule.gemms is not None:
+                r["gemms"] = {k: v.value for k, v in rule.gemms.items()}
+            out["rules"].append(r)
+        return out
+
+
+# ---------------------------------------------------------------- YAML decoding
+
+_TOP_KEYS = {"version", "defaults", "rules"}
+_SETTINGS_KEYS = {f.name for f in fields(Settings)}
+_RULE_KEYS = {f.name for f in fields(Rule)}
+
+
+def load_policy(path: str | Path) -> Policy:
+    """Read and validate a policy YAML file; raises `PolicyError` naming file, line and key path."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise PolicyError("<file>", f"cannot read policy file: {e.strerror}", str(path)) from None
+    return policy_from_yaml(text, source=str(path))
+
+
+def policy_from_yaml(text: str, source: str = "<policy>") -> Policy:
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        problem = getattr(e, "problem", None) or str(e)
+        raise PolicyError("<yaml>", f"not valid YAML: {problem}", source, mark.line + 1 if mark else None) from None
+    if root is None:
+        raise PolicyError("<root>", "the policy file is empty; it needs at least `version: 1`", source)
+    return _Decoder(source).policy(root)
+
+
+class _Decoder:
+    """Walks the YAML node tree (not the plain data) so every error can name its line."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, node: yaml.Node, key_path: str, message: str) -> PolicyError:
+        return PolicyError(key_path, message, self.source, node.start_mark.line + 1)
+
+    def value(self, node: yaml.Node) -> Any:
+        return yaml.safe_load(yaml.serialize(node))
+
+    def mapping(self, node: yaml.Node, key_path: str, allowed: set[str]) -> dict[str, yaml.Node]:
+        if not isinstance(node, yaml.MappingNode):
+            raise self.fail(node, key_path, f"expected a mapping, got {_kind(node)}")
+        out: dict[str, yaml.Node] = {}
+        for key_node, value_node in node.value:
+            key = self.value(key_node)
+            child = f"{key_path}.{key}" if key_path != "<root>" else str(key)
+            if key not in allowed:
+                raise self.fail(key_node, child, f"unknown key; expected one of {', '.join(sorted(allowed))}")
+            if key in out:
+                raise self.fail(key_node, child, "key given twice")
+            out[key] = value_node
+        return out
+
+    def checked(self, node: yaml.Node, key_path: str, build):  # noqa: ANN001
+        """Run a dataclass constructor, re-raising its PolicyError with this node's path and line."""
+        try:
+            return build()
+        except PolicyError as e:
+            line_node = node
+            if isinstance(node, yaml.MappingNode):  # point at the offending key's value if we can
+                first = e.key_path.split(".")[0].split("[")[0]
+                for k, v in node.value:
+                    if k.value == first:
+                        line_node = v
+            raise self.fail(line_node, f"{key_path}.{e.key_path}", e.message) from None
+
+    def policy(self, root: yaml.Node) -> Policy:
+        top = self.mapping(root, "<root>", _TOP_KEYS)
+        if "version" not in top:
+            raise self.fail(root, "version", "missing; write `version: 1` at the top of the file")
+        version = self.value(top["version"])
+        if version != 1:
+            raise self.fail(top["version"], "version", f"expected 1, got {version!r}")
+        defaults = Settings()
+        if "defaults" in top:
+            defaults = self.settings(top["defaults"], "defaults")
+        rules: list[Rule] = []
+        if "rules" in top:
+            rules_node = top["rules"]
+            if not isinstance(rules_node, yaml.SequenceNode):
+                raise self.fail(rules_node, "rules", f"expected a list of rules, got {_kind(rules_node)}")
+            for i, rule_node in enumerate(rules_node.value):
+                rules.append(self.rule(rule_node, f"rules[{i}]"))
+        return Policy(defaults=defaults, rules=tuple(rules), source=self.source)
+
+    def settings(self, node: yaml.Node, key_path: str) -> Settings:
+        items = self.mapping(node, key_path, _SETTINGS_KEYS)
+        kwargs: dict[str, Any] = {k: self.value(v) for k, v in items.items() if k != "gemms"}
+        if "gemms" in items:
+            overrides = self.checked(node, key_path, lambda: _gemm_overrides(self.value(items["gemms"]), "gemms"))
+            kwargs["gemms"] = GemmPrecisions(**overrides)
+        return self.checked(node, key_path, lambda: Settings(**kwargs))
+
+    def rule(self, node: yaml.Node, key_path: str) -> Rule:
+        items = self.mapping(node, key_path, _RULE_KEYS)
+        if "match" not in items:
+            raise self.fail(node, f"{key_path}.match", "missing; every rule needs a `match` glob or 're:' regex")
+        kwargs = {k: self.value(v) for k, v in items.items()}
+        return self.checked(node, key_path, lambda: Rule(**kwargs))
+
+
+def _kind(node: yaml.Node) -> str:
+    if isinstance(node, yaml.ScalarNode):
+        return f"{node.value!r}"
+    return "a list" if isinstance(node, yaml.SequenceNode) else "a mapping"

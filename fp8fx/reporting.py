@@ -1,0 +1,153 @@
+"""The per-op precision report: one `OpRecord` per GEMM of every compiled graph, and renderers."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from fp8fx.passes.assign_precision import Decision
+from fp8fx.passes.find_matmuls import Gemm, MatmulSite
+
+
+def _dim(d: Any) -> int | str:
+    return d if isinstance(d, int) else str(d)
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """What fp8fx decided for one GEMM, and why."""
+
+    graph: int  # index of the compiled graph (recompiles and graph breaks add graphs)
+    graph_kind: str  # training | inference
+    site: str  # site name: module FQN, or "fqn:op#i" when a module holds several matmuls
+    fqn: str
+    op: str  # mm | addmm | bmm | baddbmm
+    role: str  # output | grad_input | grad_weight
+    source: str  # file:line of the model code
+    m: int | str
+    n: int | str
+    k: int | str
+    batch: int | str
+    flops: int
+    precision: str  # fp8 | high
+    reason_kind: str
+    reason: str
+    operands: tuple[str, str]  # roles of the left and right operand
+    formats: tuple[str, str] | None  # FP8 format of the left and right operand
+    scaling: str | None
+    granularity: str | None
+
+    @property
+    def backward(self) -> bool:
+        return self.role != "output"
+
+    @classmethod
+    def make(cls, graph: int, graph_kind: str, site: MatmulSite, gemm: Gemm, decision: Decision) -> OpRecord:
+        return cls(
+            graph=graph,
+            graph_kind=graph_kind,
+            site=site.name,
+            fqn=site.fqn,
+            op=site.op,
+            role=gemm.role,
+            source=site.source,
+            m=_dim(gemm.m),
+            n=_dim(gemm.n),
+            k=_dim(gemm.k),
+            batch=_dim(gemm.batch),
+            flops=gemm.flops,
+            precision=decision.precision.value,
+            reason_kind=decision.reason_kind.value,
+            reason=decision.reason,
+            operands=decision.operand_roles,
+            formats=tuple(f.value for f in decision.formats) if decision.formats else None,
+            scaling=decision.scaling.value if decision.scaling else None,
+            granularity=decision.granularity.value if decision.granularity else None,
+        )
+
+
+class Report:
+    """All GEMM decisions of one model (or one backend), with a summary."""
+
+    def __init__(self, ops: list[OpRecord]):
+        self.ops = list(ops)
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    @property
+    def fp8_ops(self) -> list[OpRecord]:
+        return [op for op in self.ops if op.precision == "fp8"]
+
+    @property
+    def high_ops(self) -> list[OpRecord]:
+        return [op for op in self.ops if op.precision == "high"]
+
+    def find(self, site: str | None = None, role: str | None = None) -> list[OpRecord]:
+        return [op for op in self.ops if (site is None or op.site == site) and (role is None or op.role == role)]
+
+    def summary(self) -> dict[str, Any]:
+        def share(ops: list[OpRecord]) -> float | None:
+            total = sum(op.flops for op in ops)
+            return sum(op.flops for op in ops if op.precision == "fp8") / total if total else None
+
+        return {
+            "graphs": len({op.graph for op in self.ops}),
+            "gemms": len(self.ops),
+            "fp8_gemms": len(self.fp8_ops),
+            "fp8_flop_share_forward": share([op for op in self.ops if not op.backward]),
+            "fp8_flop_share_backward": share([op for op in self.ops if op.backward]),
+            "fallbacks_by_reason": dict(Counter(op.reason_kind for op in self.high_ops)),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        total = sum(op.flops for op in self.ops) or 1
+        ops = [{**asdict(op), "flop_share": op.flops / total} for op in self.ops]
+        return {"summary": self.summary(), "ops": ops}
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def table(self) -> str:
+        """A fixed-width table, one row per GEMM, then the summary."""
+        total = sum(op.flops for op in self.ops) or 1
+        header = ("graph", "site", "op", "role", "M", "N", "K", "FLOP %", "prec", "formats", "reason")
+        rows = [
+            (
+                str(op.graph),
+                op.site,
+                op.op,
+                op.role,
+                str(op.m),
+                str(op.n),
+                str(op.k),
+                f"{100 * op.flops / total:.1f}",
+                op.precision,
+                "x".join(op.formats) if op.formats else "-",
+                op.reason,
+            )
+            for op in self.ops
+        ]
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+        lines = []
+        for r in [header, *rows]:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+        lines.insert(1, "-" * min(160, max(len(line) for line in lines)))
+        s = self.summary()
+
+        def pct(x: float | None) -> str:
+            return "n/a" if x is None else f"{100 * x:.1f}%"
+
+        lines.append("")
+        lines.append(
+            f"{s['fp8_gemms']}/{s['gemms']} GEMMs in FP8 over {s['graphs']} graph(s); "
+            f"FP8 share of GEMM FLOPs: forward {pct(s['fp8_flop_share_forward'])}, backward {pct(s['fp8_flop_share_backward'])}"
+        )
+        if s["fallbacks_by_reason"]:
+            lines.append("kept high: " + ", ".join(f"{k} {v}" for k, v in sorted(s["fallbacks_by_reason"].items())))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table() if self.ops else "fp8fx report: no matmul compiled yet (run the compiled model once)"
