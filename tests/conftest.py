@@ -1,0 +1,15 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from scratch: no cached frames leak between tests."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
