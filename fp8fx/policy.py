@@ -92,6 +92,10 @@ class Settings:
         object.__setattr__(self, "scaling", _enum(Scaling, self.scaling, "scaling"))
         object.__setattr__(self, "granularity", _enum(Granularity, self.granularity, "granularity"))
         object.__setattr__(self, "ops", _op_kinds(self.ops, "ops"))
+        if isinstance(self.gemms, dict):
+            object.__setattr__(self, "gemms", GemmPrecisions(**_gemm_overrides(self.gemms, "gemms")))
+        elif not isinstance(self.gemms, GemmPrecisions):
+            raise PolicyError("gemms", f"expected a mapping of {'|'.join(GEMM_ROLES)} to fp8|high, got {self.gemms!r}")
 
 
 def _op_kinds(value: Any, key_path: str) -> tuple[str, ...]:
@@ -296,20 +300,14 @@ class _Decoder:
         try:
             return build()
         except PolicyError as e:
-            line_node = node
-            if isinstance(node, yaml.MappingNode):  # point at the offending key's value if we can
-                first = e.key_path.split(".")[0].split("[")[0]
-                for k, v in node.value:
-                    if k.value == first:
-                        line_node = v
-            raise self.fail(line_node, f"{key_path}.{e.key_path}", e.message) from None
+            raise self.fail(_node_at(node, e.key_path), f"{key_path}.{e.key_path}", e.message) from None
 
     def policy(self, root: yaml.Node) -> Policy:
         top = self.mapping(root, "<root>", _TOP_KEYS)
         if "version" not in top:
             raise self.fail(root, "version", "missing; write `version: 1` at the top of the file")
         version = self.value(top["version"])
-        if version != 1:
+        if type(version) is not int or version != 1:
             raise self.fail(top["version"], "version", f"expected 1, got {version!r}")
         defaults = Settings()
         if "defaults" in top:
@@ -325,10 +323,7 @@ class _Decoder:
 
     def settings(self, node: yaml.Node, key_path: str) -> Settings:
         items = self.mapping(node, key_path, _SETTINGS_KEYS)
-        kwargs: dict[str, Any] = {k: self.value(v) for k, v in items.items() if k != "gemms"}
-        if "gemms" in items:
-            overrides = self.checked(node, key_path, lambda: _gemm_overrides(self.value(items["gemms"]), "gemms"))
-            kwargs["gemms"] = GemmPrecisions(**overrides)
+        kwargs = {k: self.value(v) for k, v in items.items()}
         return self.checked(node, key_path, lambda: Settings(**kwargs))
 
     def rule(self, node: yaml.Node, key_path: str) -> Rule:
@@ -337,6 +332,21 @@ class _Decoder:
             raise self.fail(node, f"{key_path}.match", "missing; every rule needs a `match` glob or 're:' regex")
         kwargs = {k: self.value(v) for k, v in items.items()}
         return self.checked(node, key_path, lambda: Rule(**kwargs))
+
+
+def _node_at(node: yaml.Node, key_path: str) -> yaml.Node:
+    """The deepest node along `key_path` ("gemms.bogus", "ops[1]") that exists, for its line."""
+    for part in re.findall(r"[^.\[\]]+", key_path):
+        if isinstance(node, yaml.MappingNode):
+            child = next((v for k, v in node.value if k.value == part), None)
+        elif isinstance(node, yaml.SequenceNode) and part.isdigit() and int(part) < len(node.value):
+            child = node.value[int(part)]
+        else:
+            child = None
+        if child is None:
+            break
+        node = child
+    return node
 
 
 def _kind(node: yaml.Node) -> str:

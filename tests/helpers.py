@@ -30,7 +30,8 @@ class Captured:
     """A model compiled with fp8fx's passes, keeping the graphs it produced."""
 
     backend: fp8fx.Fp8fxBackend
-    compiled: object
+    dynamo_backend: object  # pass to torch.compile(..., backend=) to compile more callables
+    compiled: object = None
     forward: list[fx.GraphModule] = field(default_factory=list)  # forward or inference graphs
     backward: list[fx.GraphModule] = field(default_factory=list)
 
@@ -47,8 +48,6 @@ def compile_captured(model: nn.Module, policy: fp8fx.Policy | None = None) -> Ca
 
     Drives aot_autograd exactly as the eager backend does, calling the backend's own rewrite."""
     backend = fp8fx.backend(policy=policy, inner="eager")
-    cap = Captured(backend, None)
-
     def dynamo_backend(gm, example_inputs):
         def partition_fn(joint, joint_inputs, **kwargs):
             backend.rewrite(joint, [])
@@ -70,6 +69,7 @@ def compile_captured(model: nn.Module, policy: fp8fx.Policy | None = None) -> Ca
             gm, example_inputs
         )
 
+    cap = Captured(backend, dynamo_backend)
     cap.compiled = torch.compile(model, backend=dynamo_backend)
     return cap
 

@@ -122,10 +122,11 @@ def find_matmuls(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     forward: list[fx.Node] = []
     backward_by_seq: dict[int, list[fx.Node]] = defaultdict(list)
     unlinked: list[fx.Node] = []
+    backward_nodes = _depends_on_tangents(gm.graph)
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in MATMUL_OPS:
             continue
-        if node.meta.get("autograd_backward"):
+        if node.meta.get("autograd_backward") or node in backward_nodes:
             seq = node.meta.get("seq_nr")
             (backward_by_seq[seq] if seq is not None else unlinked).append(node)
         else:
@@ -172,6 +173,16 @@ def find_matmuls(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             gemm.node.meta[META_KEY] = {"site": site.name, "role": role}
     ctx.sites = sites
     return PassResult(gm, modified=False)
+
+
+def _depends_on_tangents(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes computed from the incoming gradients: the backward part of a joint graph. (Backward
+    nodes of custom autograd Functions carry no `autograd_backward` meta, so look at data flow.)"""
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and str(node.target).startswith("tangents")) or any(i in found for i in node.all_input_nodes):
+            found.add(node)
+    return found
 
 
 def _backward_role(fwd: fx.Node, bw: fx.Node, site: MatmulSite) -> str | None:

@@ -1,0 +1,262 @@
+"""Tests for fp8fx.policy: YAML loading, rule resolution, error reporting, and `fp8fx policy validate`."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+import fp8fx
+from fp8fx.cli import app
+from fp8fx.formats import FormatRecipe
+from fp8fx.policy import GEMM_ROLES, GemmPrecisions, Granularity, Policy, PolicyError, Precision, Rule, Scaling, Settings
+
+FP8, HIGH = Precision.FP8, Precision.HIGH
+
+GOOD_YAML = r"""version: 1
+defaults:
+  format: hybrid
+  scaling: dynamic
+  granularity: tensorwise
+  ops: [mm, addmm]
+  gemms: {wgrad: high}
+rules:
+  - match: "layers.*.mlp.*"
+    op: [mm, addmm]
+    gemms: {wgrad: fp8, dgrad: high}
+  - match: 're:layers\.\d+\.attn\.(q|k|v)'
+    format: e4m3
+  - match: "re:lm_head"
+    precision: high
+  - match: "*attn*"
+    op: bmm
+    precision: fp8
+    gemms: {fprop: high}
+  - match: "layers.0.*"
+    precision: high
+    format: e5m2
+"""
+
+PY_POLICY = Policy(
+    defaults=Settings(format="hybrid", scaling="dynamic", granularity="tensorwise", ops=["mm", "addmm"],
+                      gemms=GemmPrecisions(grad_weight="high")),
+    rules=(
+        Rule(match="layers.*.mlp.*", op=["mm", "addmm"], gemms={"wgrad": "fp8", "dgrad": "high"}),
+        Rule(match=r"re:layers\.\d+\.attn\.(q|k|v)", format="e4m3"),
+        Rule(match="re:lm_head", precision="high"),
+        Rule(match="*attn*", op="bmm", precision="fp8", gemms={"fprop": "high"}),
+        Rule(match="layers.0.*", precision="high", format="e5m2"),
+    ),
+)
+
+D = "defaults.gemms."
+DEFAULT_SRC = {r: D + r for r in GEMM_ROLES}
+
+
+def _src(index: int, out: str, gi: str, gw: str) -> dict[str, str]:
+    """Sources per role; 'd' = defaults, otherwise a field of rules[index]."""
+    return {role: D + role if s == "d" else f"rules[{index}].{s}" for role, s in zip(GEMM_ROLES, (out, gi, gw))}
+
+
+# (names, op) -> (rule index, format, (output, grad_input, grad_weight), gemm sources, forced_fp8)
+RESOLVE_CASES = [
+    # glob; first match wins over rules[4] "layers.0.*"; gemms override single GEMMs, aliases map to roles
+    (("layers.0.mlp.fc1",), "mm", 0, "hybrid", (FP8, HIGH, FP8), _src(0, "d", "gemms.grad_input", "gemms.grad_weight"), False),
+    (("layers.7.mlp.fc2",), "addmm", 0, "hybrid", (FP8, HIGH, FP8), _src(0, "d", "gemms.grad_input", "gemms.grad_weight"), False),
+    # op filter skips rules[0]; rules[4] precision high sets all three and its format
+    (("layers.0.mlp.fc1",), "bmm", 4, "e5m2", (HIGH, HIGH, HIGH), _src(4, *["precision"] * 3), False),
+    # no rule: everything from defaults (grad_weight high there)
+    (("layers.3.mlp.fc2",), "bmm", None, "hybrid", (FP8, FP8, HIGH), DEFAULT_SRC, False),
+    (("layers.2.mlp",), "mm", None, "hybrid", (FP8, FP8, HIGH), DEFAULT_SRC, False),
+    # regex fullmatch; unset gemms inherit from defaults
+    (("layers.1.attn.q",), "mm", 1, "e4m3", (FP8, FP8, HIGH), DEFAULT_SRC, False),
+    (("layers.12.attn.v",), "bmm", 1, "e4m3", (FP8, FP8, HIGH), DEFAULT_SRC, False),
+    # partial regex matches must not match
+    (("layers.1.attn.qkv",), "mm", None, "hybrid", (FP8, FP8, HIGH), DEFAULT_SRC, False),
+    (("lm_head_extra",), "mm", None, "hybrid", (FP8, FP8, HIGH), DEFAULT_SRC, False),
+    (("model.lm_head",), "mm", None, "hybrid", (FP8, FP8, HIGH), DEFAULT_SRC, False),
+    # precision fp8 forces the site; gemms (fprop alias) override the precision per GEMM
+    (("layers.1.attn.qkv",), "bmm", 3, "hybrid", (HIGH, FP8, FP8), _src(3, "gemms.output", "precision", "precision"), True),
+    # any of the names (site name, FQN) can match
+    (("site_7", "lm_head"), "addmm", 2, "hybrid", (HIGH, HIGH, HIGH), _src(2, *["precision"] * 3), False),
+]
+
+
+@pytest.fixture(params=["yaml", "python", "roundtrip"])
+def policy(request, tmp_path) -> Policy:
+    if request.param == "python":
+        return PY_POLICY
+    path = tmp_path / "policy.yaml"
+    path.write_text(GOOD_YAML)
+    loaded = fp8fx.load_policy(path)
+    if request.param == "yaml":
+        return loaded
+    return fp8fx.policy_from_yaml(yaml.safe_dump(loaded.to_dict()))
+
+
+def test_yaml_loads_into_dataclasses(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(GOOD_YAML)
+    p = fp8fx.load_policy(path)
+    assert p.source == str(path)
+    assert p.defaults == Settings(FormatRecipe.HYBRID, Scaling.DYNAMIC, Granularity.TENSORWISE,
+                                  GemmPrecisions(FP8, FP8, HIGH), ("mm", "addmm"))
+    assert len(p.rules) == 5 and all(isinstance(r, Rule) for r in p.rules)
+    assert p.rules[0] == Rule("layers.*.mlp.*", ("mm", "addmm"), None, None, {"grad_weight": FP8, "grad_input": HIGH})
+    assert p.rules[3].op == ("bmm",) and p.rules[3].precision is FP8 and p.rules[3].gemms == {"output": HIGH}
+    assert p.rules[4].format is FormatRecipe.E5M2
+    # same values as the Python-built policy (source differs, so compare the parts)
+    assert (p.defaults, p.rules) == (PY_POLICY.defaults, PY_POLICY.rules)
+
+
+def test_to_dict_roundtrip():
+    d = PY_POLICY.to_dict()
+    assert d["version"] == 1 and d["defaults"]["gemms"] == {"output": "fp8", "grad_input": "fp8", "grad_weight": "high"}
+    again = fp8fx.policy_from_yaml(yaml.safe_dump(d))
+    assert (again.defaults, again.rules) == (PY_POLICY.defaults, PY_POLICY.rules)
+    assert again.to_dict() == d
+
+
+@pytest.mark.parametrize("names,op,index,fmt,gemms,sources,forced", RESOLVE_CASES)
+def test_resolve(policy, names, op, index, fmt, gemms, sources, forced):
+    res = policy.resolve(names, op)
+    assert res.rule_index == index
+    assert res.source == ("defaults" if index is None else f"rules[{index}]")
+    assert res.settings.format is FormatRecipe(fmt)
+    assert tuple(res.settings.gemms[r] for r in GEMM_ROLES) == gemms
+    assert res.gemm_sources == sources
+    assert res.forced_fp8 is forced
+    # rules never change these; they always come from defaults
+    assert (res.settings.scaling, res.settings.granularity, res.settings.ops) == (Scaling.DYNAMIC, Granularity.TENSORWISE, ("mm", "addmm"))
+
+
+@pytest.mark.parametrize("alias,role,prec,base", [
+    (a, r, p, b) for (a, r), p, b in itertools.product(
+        list(fp8fx.policy.TE_GEMM_ALIASES.items()) + [(r, r) for r in GEMM_ROLES], ["fp8", "high"], [None, "high", "fp8"])
+])
+def test_single_gemm_override(alias, role, prec, base):
+    """A one-GEMM override (TE alias or role name) on top of defaults or of `precision`."""
+    p = Policy(rules=(Rule(match="x", precision=base, gemms={alias: prec}),))
+    res = p.resolve(("x",), "mm")
+    for r in GEMM_ROLES:
+        if r == role:
+            assert (res.settings.gemms[r], res.gemm_sources[r]) == (Precision(prec), f"rules[0].gemms.{role}")
+        elif base is None:
+            assert (res.settings.gemms[r], res.gemm_sources[r]) == (FP8, f"defaults.gemms.{r}")
+        else:
+            assert (res.settings.gemms[r], res.gemm_sources[r]) == (Precision(base), "rules[0].precision")
+
+
+# (text, key_path, line, message fragment)
+BAD_FILES = {
+    "unknown_top_key": ("version: 1\nrulez: []\n", "rulez", 2, "unknown key; expected one of defaults, rules, version"),
+    "unknown_rule_key": ("version: 1\nrules:\n  - match: x\n    granularty: tensorwise\n", "rules[0].granularty", 4, "unknown key"),
+    "enum_defaults": ("version: 1\ndefaults:\n  format: e4m3\n  granularity: row\n", "defaults.granularity", 4,
+                      "expected tensorwise, got 'row'"),
+    "enum_rule": ("version: 1\nrules:\n  - match: a\n  - match: b\n    format: e3m4\n", "rules[1].format", 5,
+                  "expected hybrid|e4m3|e5m2, got 'e3m4'"),
+    "enum_gemm_value": ("version: 1\ndefaults:\n  gemms: {output: low}\n", "defaults.gemms.output", 3, "expected fp8|high, got 'low'"),
+    "rules_is_mapping": ("version: 1\nrules: {match: x}\n", "rules", 2, "expected a list of rules, got a mapping"),
+    "missing_version": ("defaults:\n  format: e4m3\n", "version", 1, "missing"),
+    "version_2": ("defaults: {}\nversion: 2\n", "version", 2, "expected 1, got 2"),
+    "version_string": ("version: '1'\n", "version", 1, "expected 1, got '1'"),
+    "version_bool": ("version: true\n", "version", 1, "expected 1"),
+    "rule_without_match": ("version: 1\nrules:\n  - match: a\n  - op: mm\n    precision: high\n", "rules[1].match", 4, "missing"),
+    "invalid_regex": ("version: 1\nrules:\n  - op: mm\n    match: 're:('\n", "rules[0].match", 4, "invalid regex '('"),
+    "unknown_gemm_flow": ("version: 1\nrules:\n  - match: x\n    gemms: {output: high, bogus: fp8}\n", "rules[0].gemms.bogus", 4,
+                          "unknown GEMM 'bogus'; expected output|grad_input|grad_weight|fprop|dgrad|wgrad"),
+    "unknown_gemm_block": ("version: 1\nrules:\n  - match: x\n    gemms:\n      output: high\n      bogus: fp8\n",
+                           "rules[0].gemms.bogus", 6, "unknown GEMM 'bogus'"),
+    "bad_op_flow": ("version: 1\nrules:\n  - match: x\n    op: [mm, conv]\n", "rules[0].op[1]", 4, "expected mm|addmm|bmm|baddbmm, got 'conv'"),
+    "bad_op_block": ("version: 1\ndefaults:\n  ops:\n    - mm\n    - conv\n", "defaults.ops[1]", 5, "got 'conv'"),
+    "yaml_syntax": ("version: 1\ndefaults:\n  format: e4m3\n    scaling: dynamic\n", "<yaml>", 4, "not valid YAML"),
+    "duplicate_key": ("version: 1\ndefaults:\n  format: e4m3\n  format: e5m2\n", "defaults.format", 4, "key given twice"),
+}
+
+
+@pytest.mark.parametrize("text,key_path,line,fragment", list(BAD_FILES.values()), ids=list(BAD_FILES))
+def test_bad_file(tmp_path, text, key_path, line, fragment):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(PolicyError) as info:
+        fp8fx.load_policy(path)
+    e = info.value
+    assert (e.key_path, e.line, e.source) == (key_path, line, str(path))
+    assert str(e).startswith(f"{path}:{line}: {key_path}: ")
+    assert fragment in str(e) and "\n" not in str(e)
+
+
+@pytest.mark.parametrize("kind", ["empty", "comment_only", "missing", "directory"])
+def test_file_level_errors_have_no_line(tmp_path, kind):
+    path = tmp_path / "p.yaml"
+    if kind == "empty":
+        path.write_text("")
+    elif kind == "comment_only":
+        path.write_text("# nothing here\n")
+    elif kind == "directory":
+        path.mkdir()
+    key, fragment = ("<root>", "empty") if kind in ("empty", "comment_only") else ("<file>", "cannot read policy file")
+    with pytest.raises(PolicyError) as info:
+        fp8fx.load_policy(path)
+    assert (info.value.key_path, info.value.line) == (key, None)
+    assert str(info.value).startswith(f"{path}: {key}: ") and fragment in str(info.value)
+
+
+@pytest.mark.parametrize("build,key_path", [
+    (lambda: Rule(match="x", format="e3m4"), "format"),
+    (lambda: Rule(match="x", precision="low"), "precision"),
+    (lambda: Rule(match=""), "match"),
+    (lambda: Rule(match="re:("), "match"),
+    (lambda: Rule(match="x", op=[]), "op"),
+    (lambda: Rule(match="x", gemms={"qgrad": "high"}), "gemms.qgrad"),
+    (lambda: Settings(ops=[]), "ops"),
+    (lambda: Settings(ops=["mm", "conv"]), "ops[1]"),
+    (lambda: Settings(granularity="row"), "granularity"),
+    (lambda: Settings(gemms="high"), "gemms"),
+    (lambda: GemmPrecisions(output="low"), "gemms.output"),
+    (lambda: Policy(rules=[{"match": "x"}]), "rules[0]"),
+], ids=lambda v: v if isinstance(v, str) else "build")
+def test_python_built_bad_values(build, key_path):
+    with pytest.raises(PolicyError) as info:
+        build()
+    assert info.value.key_path == key_path and info.value.line is None
+    assert str(info.value).startswith(f"{key_path}: ")
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def _stderr(result) -> str:
+    try:
+        return result.stderr
+    except (ValueError, AttributeError):  # older click with mixed output
+        return result.output
+
+
+def test_cli_validate_good(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(GOOD_YAML)
+    result = CliRunner().invoke(app, ["policy", "validate", str(path)])
+    assert result.exit_code == 0, result.output
+    assert f"{path}: valid." in result.output
+    assert "format=hybrid scaling=dynamic granularity=tensorwise ops=mm,addmm" in result.output
+    assert "rules[3]: match='*attn*' op=bmm precision=fp8 gemms=output:high" in result.output
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("version: 1\ndefaults:\n  granularity: row\n", "{path}:3: defaults.granularity: expected tensorwise, got 'row'"),
+    ("version: 1\nrules:\n  - match: x\n    granularty: tensorwise\n", "{path}:4: rules[0].granularty: unknown key"),
+    (None, "{path}: <file>: cannot read policy file"),
+])
+def test_cli_validate_bad(tmp_path, text, expected):
+    path = tmp_path / "p.yaml"
+    if text is not None:
+        path.write_text(text)
+    result = CliRunner().invoke(app, ["policy", "validate", str(path)])
+    assert result.exit_code == 1
+    assert not isinstance(result.exception, PolicyError) and "Traceback" not in result.output
+    err = _stderr(result).strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: " + expected.format(path=path))
+    assert "valid." not in result.output
