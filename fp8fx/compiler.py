@@ -21,7 +21,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import fp8fx.ops  # noqa: F401  (registers the fp8fx::* operators)
 from fp8fx.passes import REWRITE_PASSES, PassContext, run_passes
-from fp8fx.policy import Policy, load_policy
+from fp8fx.policy import GEMM_ROLES, Policy, load_policy
 from fp8fx.reporting import OpRecord, Report
 
 INNER_COMPILERS = ("inductor", "eager")
@@ -78,7 +78,12 @@ class Fp8fxBackend:
         ctx = PassContext(self.policy)
         gm = run_passes(gm, ctx, REWRITE_PASSES)
         index = len(self.graphs)
-        ops = [OpRecord.make(index, kind, site, gemm, ctx.decisions[(site.name, role)]) for site in ctx.sites for role, gemm in site.gemms.items()]
+        ops = [
+            OpRecord.make(index, kind, site, site.gemms[role], ctx.decisions[(site.name, role)])
+            for site in ctx.sites
+            for role in GEMM_ROLES
+            if role in site.gemms
+        ]
         self.graphs.append(GraphRecord(index, kind, ops, params))
         return gm
 
