@@ -20,7 +20,7 @@ def _fail(message: str) -> None:
 @app.command()
 def demo(
     steps: int = typer.Option(10, min=1, help="Training steps."),
-    inner: str = typer.Option("inductor", help="Inner compiler after the FP8 passes: inductor or eager."),
+    inner: str = typer.Option("eager", help="Inner compiler after the FP8 passes: eager (compiles in a second) or inductor (about a minute on CPU)."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON instead of a table."),
 ) -> None:
     """Train a 2-block transformer with fp8fx on CPU beside an fp32 twin and print the precision report."""
