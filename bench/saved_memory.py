@@ -1,0 +1,80 @@
+"""Bytes saved for backward: fp8fx vs the fp32 model, measured with saved-tensor hooks.
+
+Run: python bench/saved_memory.py [--layers 4 --dim 256 --seq 128 --batch 8]
+Every tensor autograd keeps for backward passes through the pack hook, for eager and compiled
+models alike; the bench sums the bytes of distinct storages (a view of a parameter counts as the
+parameter, which is alive anyway and is not counted). Target: fp8fx <= 0.5x fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import fp8fx
+from fp8fx.demo import TinyTransformer
+
+
+class Logits(torch.nn.Module):
+    """A transformers model returning its logits tensor only."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens).logits
+
+
+def saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> dict[str, int]:
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, tuple[int, torch.dtype]] = {}
+
+    def pack(t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = (t.untyped_storage().nbytes(), t.dtype)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(tokens).float().pow(2).mean()
+    loss.backward()
+    by_dtype: dict[str, int] = {}
+    for nbytes, dtype in seen.values():
+        by_dtype[str(dtype).removeprefix("torch.")] = by_dtype.get(str(dtype).removeprefix("torch."), 0) + nbytes
+    return by_dtype
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--inner", default="eager", choices=["eager", "inductor"])
+    ap.add_argument("--model", default="llama", choices=["llama", "transformer"], help="transformers Llama or fp8fx's demo model")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    if args.model == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(hidden_size=args.dim, intermediate_size=4 * args.dim, num_hidden_layers=args.layers,
+                          num_attention_heads=max(1, args.dim // 64), vocab_size=256)
+        model = Logits(LlamaForCausalLM(cfg))
+    else:
+        model = TinyTransformer(dim=args.dim, heads=max(1, args.dim // 64), layers=args.layers, max_seq=args.seq)
+    tokens = torch.randint(0, 256, (args.batch, args.seq))
+    base = saved_bytes(model, tokens)
+    compiled = torch.compile(model, backend=fp8fx.backend(inner=args.inner))
+    saved_bytes(compiled, tokens)  # compile
+    fp8 = saved_bytes(compiled, tokens)
+    total_base, total_fp8 = sum(base.values()), sum(fp8.values())
+    print(f"model: {args.model}, {args.layers} layers, dim {args.dim}, batch {args.batch} x seq {args.seq}, inner={args.inner}")
+    print(f"fp32 eager : {total_base / 2**20:8.2f} MiB saved for backward  {base}")
+    print(f"fp8fx      : {total_fp8 / 2**20:8.2f} MiB saved for backward  {fp8}")
+    print(f"ratio fp8fx / fp32 = {total_fp8 / total_base:.3f}   (target <= 0.5)")
+
+
+if __name__ == "__main__":
+    main()
