@@ -233,3 +233,34 @@ def test_dynamic_batch_dimension():
     ops = cap.report.ops
     assert all(op.precision == "fp8" for op in ops)
     assert any(isinstance(op.m, str) for op in ops)  # M is symbolic
+
+
+class SdpaAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 16).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum(1)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_fused_attention_is_reported_high_with_its_flops(grad):
+    cap = compile_captured(SdpaAttention())
+    x = torch.randn(2, 16, 32)
+    if grad:
+        cap.compiled(x).sum().backward()
+    else:
+        with torch.no_grad():
+            cap.compiled(x)
+    report = cap.report
+    attention = report.find(site="<top>:sdpa#0")
+    assert attention and all(op.precision == "high" and op.reason_kind == "op_kind" for op in attention)
+    assert "fused attention kernel" in attention[0].reason
+    # One backward kernel computes dq, dk and dv: it is the site's grad_input, with 4 products.
+    assert [op.role for op in attention] == (["output", "grad_input"] if grad else ["output"])
+    assert attention[-1].flops == (4 if grad else 2) * 2 * 16 * 16 * 16 * 4
+    # Two (B*H) x 16 x 16 x 16 products forward: q @ k^T and p @ v.
+    assert sum(op.flops for op in attention if op.role == "output") == 2 * (2 * 2 * 16 * 16 * 16) * 2
+    assert all(op.precision == "fp8" for op in report.find(site="qkv"))

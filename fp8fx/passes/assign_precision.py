@@ -46,6 +46,8 @@ class Decision:
 
 
 def _operand_roles(site: MatmulSite, gemm: Gemm) -> tuple[str, str]:
+    if site.op == "sdpa":
+        return ("input", "input") if gemm.role == "output" else ("grad_output", "input")
     if gemm.role == "output":
         return ("input", "weight")
     fwd = site.forward
@@ -87,6 +89,9 @@ def decide(site: MatmulSite, gemm: Gemm, ctx: PassContext) -> Decision:
     def high(kind: ReasonKind, reason: str) -> Decision:
         return Decision(Precision.HIGH, kind, reason, roles)
 
+    if site.op == "sdpa":
+        kernel = gemm.node.target.overloadpacket.__name__
+        return high(ReasonKind.OP_KIND, f"fused attention kernel aten.{kernel}: FP8 attention is not supported; runs in the model's precision")
     if site.forward is None:
         return high(ReasonKind.UNLINKED, "backward GEMM with no forward matmul to link it to; kept high")
     res = ctx.policy.resolve(site.names, site.op)

@@ -1,5 +1,8 @@
 """find_matmuls: annotate every matrix product of an ATen graph as a `MatmulSite`.
 
+Fused attention kernels (SDPA) hold matrix products too; they become sites of op kind `sdpa`,
+so the report accounts for their FLOPs even though they stay in high precision.
+
 Works on the joint forward+backward graph of training and on inference graphs alike. Forward
 GEMMs (`mm`, `addmm`, `bmm`, `baddbmm`) open a site named by module FQN; backward GEMMs are
 linked to their forward site through `seq_nr` (autograd's sequence number, shared by a forward op
@@ -28,6 +31,16 @@ MATMUL_OPS = {
 }
 
 
+def _is_attention(node: fx.Node) -> bool:
+    """A fused attention kernel (SDPA's flash / efficient / cudnn / CPU variants, and backward)."""
+    packet = getattr(node.target, "overloadpacket", None)
+    return node.op == "call_function" and packet is not None and packet.__name__.startswith("_scaled_dot_product")
+
+
+def _is_attention_backward(node: fx.Node) -> bool:
+    return node.target.overloadpacket.__name__.endswith("_backward")
+
+
 def matmul_operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
     """(left, right, added term) of a matmul node."""
     if node.target in (aten.addmm.default, aten.baddbmm.default):
@@ -45,6 +58,7 @@ class Gemm:
     n: int | torch.SymInt
     k: int | torch.SymInt
     batch: int | torch.SymInt = 1
+    count: int = 1  # GEMMs of these dimensions the op performs (fused attention: 2 forward, 4 backward)
 
     @property
     def backward(self) -> bool:
@@ -55,7 +69,7 @@ class Gemm:
         dims = (self.m, self.n, self.k, self.batch)
         if not all(isinstance(d, int) for d in dims):
             return 0  # symbolic: counted at run time by later issues
-        return 2 * self.m * self.n * self.k * self.batch
+        return 2 * self.m * self.n * self.k * self.batch * self.count
 
 
 @dataclass
@@ -113,6 +127,11 @@ def _dims(node: fx.Node) -> tuple:
 
 
 def _gemm(node: fx.Node, role: str) -> Gemm:
+    if _is_attention(node):  # q, k: [batch, heads, seq, head_dim]; backward takes grad_out first
+        q, k = (node.args[1], node.args[2]) if _is_attention_backward(node) else (node.args[0], node.args[1])
+        q, k = q.meta["val"], k.meta["val"]
+        count = 4 if _is_attention_backward(node) else 2
+        return Gemm(node, role, q.shape[-2], k.shape[-2], q.shape[-1], q.shape[:-2].numel(), count)
     m, n, k, batch = _dims(node)
     return Gemm(node, role, m, n, k, batch)
 
@@ -124,9 +143,9 @@ def find_matmuls(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     unlinked: list[fx.Node] = []
     backward_nodes = _depends_on_tangents(gm.graph)
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in MATMUL_OPS:
+        if node.op != "call_function" or (node.target not in MATMUL_OPS and not _is_attention(node)):
             continue
-        if node.meta.get("autograd_backward") or node in backward_nodes:
+        if node.meta.get("autograd_backward") or node in backward_nodes or (_is_attention(node) and _is_attention_backward(node)):
             seq = node.meta.get("seq_nr")
             (backward_by_seq[seq] if seq is not None else unlinked).append(node)
         else:
@@ -141,7 +160,7 @@ def find_matmuls(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for fqn, nodes in per_module.items():
         op_counts: dict[str, int] = defaultdict(int)
         for node in nodes:
-            op = MATMUL_OPS[node.target]
+            op = _op_kind(node)
             if len(nodes) == 1 and fqn:
                 name = fqn
             else:
@@ -163,7 +182,7 @@ def find_matmuls(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         unlinked.extend(nodes)
     for i, bw in enumerate(unlinked):
         fqn = _module_fqn(bw)
-        op = MATMUL_OPS[bw.target]
+        op = _op_kind(bw)
         site = MatmulSite(f"{fqn or '<top>'}:backward_{op}#{i}", fqn, op, source=_source_line(bw))
         site.gemms["grad_input"] = _gemm(bw, "grad_input")
         sites.append(site)
@@ -173,6 +192,10 @@ def find_matmuls(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             gemm.node.meta[META_KEY] = {"site": site.name, "role": role}
     ctx.sites = sites
     return PassResult(gm, modified=False)
+
+
+def _op_kind(node: fx.Node) -> str:
+    return "sdpa" if _is_attention(node) else MATMUL_OPS[node.target]
 
 
 def _depends_on_tangents(graph: fx.Graph) -> set[fx.Node]:
@@ -186,6 +209,8 @@ def _depends_on_tangents(graph: fx.Graph) -> set[fx.Node]:
 
 
 def _backward_role(fwd: fx.Node, bw: fx.Node, site: MatmulSite) -> str | None:
+    if _is_attention(fwd):  # one backward kernel computes dq, dk and dv
+        return "grad_input" if _is_attention(bw) and "grad_input" not in site.gemms else None
     left, right, _ = matmul_operands(fwd)
     left_root, right_root = strip_layout(left)[0], strip_layout(right)[0]
     bw_roots = {strip_layout(x)[0] for x in matmul_operands(bw)[:2]}
