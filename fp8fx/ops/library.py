@@ -1,10 +1,9 @@
 """`torch.library` operators for the explicit amax -> scale -> cast -> FP8 GEMM chain.
 
-Each op has a fake (shape) implementation and a CPU reference implementation that emulates
-FP8 exactly: operands are real FP8 tensors, the GEMM runs on their fp32 upcast (FP8 values and
-their pairwise products are exact in fp32) with fp32 accumulation, then applies the scale
-inverses. CUDA tensors go to `fp8fx.codegen.scaled_mm_cuda`. The ops have no autograd formula:
-they are inserted into graphs that are already differentiated (the joint graph) or inference-only.
+Each op has a fake (shape) implementation and the reference implementation of `reference.py`,
+which emulates FP8 exactly; CUDA tensors go to `fp8fx.codegen.scaled_mm_cuda` for the GEMM. The
+ops have no autograd formula: they are inserted into graphs that are already differentiated (the
+joint graph) or inference-only.
 """
 
 from __future__ import annotations
@@ -12,14 +11,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fp8fx import scaling
-from fp8fx.formats import fp8_format_of, saturating_cast
+from fp8fx.formats import fp8_format_of
+from fp8fx.ops import reference
 
 
 @torch.library.custom_op("fp8fx::amax", mutates_args=())
 def amax(x: Tensor) -> Tensor:
     """Largest magnitude of `x`, an fp32 scalar."""
-    return scaling.tensor_amax(x)
+    return reference.amax(x)
 
 
 @amax.register_fake
@@ -30,7 +29,7 @@ def _(x: Tensor) -> Tensor:
 @torch.library.custom_op("fp8fx::amax_to_scale", mutates_args=())
 def amax_to_scale(amax: Tensor, fp8_max: float, margin: int) -> Tensor:
     """`fp8_max / amax / 2**margin`, or 1 for a zero or non-finite amax."""
-    return scaling.amax_to_scale(amax, fp8_max, margin)
+    return reference.amax_to_scale(amax, fp8_max, margin)
 
 
 @amax_to_scale.register_fake
@@ -41,7 +40,7 @@ def _(amax: Tensor, fp8_max: float, margin: int) -> Tensor:
 @torch.library.custom_op("fp8fx::cast", mutates_args=())
 def cast(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """Saturating cast of `x * scale` to the FP8 `dtype`."""
-    return saturating_cast(x.to(torch.float32) * scale, fp8_format_of(dtype))
+    return reference.cast(x, scale, dtype)
 
 
 @cast.register_fake
@@ -71,10 +70,7 @@ def scaled_mm(
         from fp8fx.codegen.scaled_mm_cuda import scaled_mm_cuda
 
         return scaled_mm_cuda(a, b, scale_inv_a, scale_inv_b, bias, out_dtype)
-    out = torch.matmul(a.to(torch.float32), b.to(torch.float32)) * (scale_inv_a * scale_inv_b)
-    if bias is not None:
-        out = out + bias.to(torch.float32)
-    return out.to(out_dtype)
+    return reference.scaled_mm(a, b, scale_inv_a, scale_inv_b, bias, out_dtype)
 
 
 @scaled_mm.register_fake
