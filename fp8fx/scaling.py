@@ -15,7 +15,8 @@ _FP32_MAX = torch.finfo(torch.float32).max
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """Largest magnitude of `x` as an fp32 scalar (NaN if `x` holds a NaN)."""
-    return x.detach().abs().amax().to(torch.float32)
+    lo, hi = torch.aminmax(x.detach())  # one pass, no |x| temporary
+    return torch.maximum(-lo, hi).to(torch.float32)
 
 
 def amax_to_scale(amax: torch.Tensor, fp8_max: float, margin: int = 0) -> torch.Tensor:

@@ -27,7 +27,7 @@ def cast(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def scaled_mm(a: Tensor, b: Tensor, scale_inv_a: Tensor, scale_inv_b: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
-    out = torch.matmul(a.to(torch.float32), b.to(torch.float32)) * (scale_inv_a * scale_inv_b)
+    out = torch.matmul(a.to(torch.float32), b.to(torch.float32)).mul_(scale_inv_a * scale_inv_b)
     if bias is not None:
-        out = out + bias.to(torch.float32)
+        out.add_(bias)
     return out.to(out_dtype)
