@@ -50,7 +50,6 @@ class PassContext:
     policy: Policy
     sites: list = field(default_factory=list)  # MatmulSite, from find_matmuls
     decisions: dict = field(default_factory=dict)  # (site name, role) -> Decision, from assign_precision
-    inserted: dict[str, int] = field(default_factory=dict)  # op name -> nodes inserted, from insert_casts
 
 
 def _is_dtype_cast(node: fx.Node) -> bool:

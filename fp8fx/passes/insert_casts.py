@@ -32,15 +32,12 @@ class Quantized:
 
 
 class _Inserter:
-    def __init__(self, graph: fx.Graph, ctx: PassContext):
+    def __init__(self, graph: fx.Graph):
         self.graph = graph
         self.fake_mode = fake_mode_of(graph)
         self.cache: dict[tuple[fx.Node, Fp8Format], Quantized] = {}
-        self.counts = ctx.inserted
 
     def add(self, target, args, kwargs=None, *, tag_from: fx.Node) -> fx.Node:
-        name = getattr(target, "__name__", str(target))
-        self.counts[name] = self.counts.get(name, 0) + 1
         return add_node(self.graph, self.fake_mode, target, args, kwargs, tag_from=tag_from)
 
     def quantize(self, root: fx.Node, fmt: Fp8Format, gemm: fx.Node) -> Quantized:
@@ -89,7 +86,7 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     ]
     if not fp8_gemms:
         return PassResult(gm, modified=False)
-    inserter = _Inserter(gm.graph, ctx)
+    inserter = _Inserter(gm.graph)
     for gemm in fp8_gemms:  # graph order: forward GEMMs make the casts backward reuses
         inserter.rewrite(gemm)
     gm.graph.eliminate_dead_code()
