@@ -44,7 +44,12 @@ class Scaling(str, Enum):
 
 
 class Granularity(str, Enum):
+    """One scale per tensor; per row/column along the contraction dim (torchao's axiswise); or
+    DeepSeek-V3's blocks (1x128 activations and gradients, 128x128 weights)."""
+
     TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+    BLOCKWISE = "blockwise"
 
 
 def _enum(enum_type: type[Enum], value: Any, key_path: str) -> Any:
@@ -86,8 +91,10 @@ class Settings:
     # Batched matmuls (attention scores and values) multiply two activations; like TE and
     # DeepSeek-V3 we keep them high unless a rule turns them on.
     ops: tuple[str, ...] = ("mm", "addmm")
+    power_of_two_scales: bool = False  # round scales down to powers of two (torchao's rowwise default)
 
     def __post_init__(self) -> None:
+        _bool(self.power_of_two_scales, "power_of_two_scales")
         object.__setattr__(self, "format", _enum(FormatRecipe, self.format, "format"))
         object.__setattr__(self, "scaling", _enum(Scaling, self.scaling, "scaling"))
         object.__setattr__(self, "granularity", _enum(Granularity, self.granularity, "granularity"))
@@ -96,6 +103,11 @@ class Settings:
             object.__setattr__(self, "gemms", GemmPrecisions(**_gemm_overrides(self.gemms, "gemms")))
         elif not isinstance(self.gemms, GemmPrecisions):
             raise PolicyError("gemms", f"expected a mapping of {'|'.join(GEMM_ROLES)} to fp8|high, got {self.gemms!r}")
+
+
+def _bool(value: Any, key_path: str) -> None:
+    if not isinstance(value, bool):
+        raise PolicyError(key_path, f"expected true or false, got {value!r}")
 
 
 def _op_kinds(value: Any, key_path: str) -> tuple[str, ...]:
@@ -120,8 +132,14 @@ class Rule:
     precision: Precision | None = None
     format: FormatRecipe | None = None
     gemms: dict[str, Precision] | None = None
+    granularity: Granularity | None = None
+    power_of_two_scales: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.granularity is not None:
+            object.__setattr__(self, "granularity", _enum(Granularity, self.granularity, "granularity"))
+        if self.power_of_two_scales is not None:
+            _bool(self.power_of_two_scales, "power_of_two_scales")
         if not isinstance(self.match, str) or not self.match:
             raise PolicyError("match", f"expected a non-empty glob or 're:' regex, got {self.match!r}")
         if self.match.startswith("re:"):
@@ -160,6 +178,31 @@ def _gemm_overrides(value: Any, key_path: str) -> dict[str, Precision]:
     return out
 
 
+_RULE_SETTINGS = ("format", "granularity", "power_of_two_scales")  # Settings a rule may set directly
+
+# Named recipes: what each expands to, and whose recipe it reproduces.
+RECIPES: dict[str, dict[str, Any]] = {
+    # torchao "tensorwise"; TE Float8CurrentScaling (HYBRID)
+    "tensorwise": {"format": "hybrid", "granularity": "tensorwise"},
+    # torchao "rowwise": E4M3 everywhere, axiswise scales rounded down to powers of two
+    "rowwise": {"format": "e4m3", "granularity": "rowwise", "power_of_two_scales": True},
+    # torchao "rowwise_with_gw_hp": rowwise, grad_weight GEMM in high precision
+    "rowwise_gw_hp": {"format": "e4m3", "granularity": "rowwise", "power_of_two_scales": True, "gemms": {"grad_weight": "high"}},
+    # DeepSeek-V3 / TE Float8BlockScaling: E4M3, 1x128 activation tiles, 128x128 weight blocks
+    "blockwise": {"format": "e4m3", "granularity": "blockwise"},
+}
+
+
+def recipe_settings(name: str, **overrides: Any) -> Settings:
+    """The `Settings` a named recipe expands to, with `overrides` applied on top."""
+    if name not in RECIPES:
+        raise PolicyError("recipe", f"unknown recipe {name!r}; expected one of {', '.join(RECIPES)}")
+    settings = {**RECIPES[name], **overrides}
+    if isinstance(overrides.get("gemms"), dict) and "gemms" in RECIPES[name]:  # merge, do not replace
+        settings["gemms"] = {**RECIPES[name]["gemms"], **overrides["gemms"]}
+    return Settings(**settings)
+
+
 @dataclass(frozen=True)
 class Resolution:
     """A policy's answer for one site: its settings and where they came from."""
@@ -181,6 +224,12 @@ class Policy:
     defaults: Settings = field(default_factory=Settings)
     rules: tuple[Rule, ...] = ()
     source: str | None = None  # file it came from, for messages
+    recipe: str | None = None  # the named recipe `defaults` was built from, if any
+
+    @classmethod
+    def from_recipe(cls, name: str, rules: tuple[Rule, ...] = (), **overrides: Any) -> Policy:
+        """`Policy.from_recipe("rowwise", rules=(...,))`: a recipe's defaults, plus rules."""
+        return cls(defaults=recipe_settings(name, **overrides), rules=rules, recipe=name)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", tuple(self.rules))
@@ -206,26 +255,24 @@ class Policy:
         for role, prec in (rule.gemms or {}).items():
             gemms[role] = prec
             sources[role] = f"{where}.gemms.{role}"
-        settings = replace(
-            self.defaults,
-            format=rule.format or self.defaults.format,
-            gemms=GemmPrecisions(**gemms),
-        )
+        overrides = {name: getattr(rule, name) for name in _RULE_SETTINGS if getattr(rule, name) is not None}
+        settings = replace(self.defaults, gemms=GemmPrecisions(**gemms), **overrides)
         return Resolution(settings, index, rule.precision is Precision.FP8, sources)
 
     def to_dict(self) -> dict[str, Any]:
         d = self.defaults
-        out: dict[str, Any] = {
-            "version": 1,
-            "defaults": {
-                "format": d.format.value,
-                "scaling": d.scaling.value,
-                "granularity": d.granularity.value,
-                "ops": list(d.ops),
-                "gemms": {role: d.gemms[role].value for role in GEMM_ROLES},
-            },
-            "rules": [],
+        out: dict[str, Any] = {"version": 1}
+        if self.recipe:
+            out["recipe"] = self.recipe
+        out["defaults"] = {
+            "format": d.format.value,
+            "scaling": d.scaling.value,
+            "granularity": d.granularity.value,
+            "ops": list(d.ops),
+            "gemms": {role: d.gemms[role].value for role in GEMM_ROLES},
+            "power_of_two_scales": d.power_of_two_scales,
         }
+        out["rules"] = []
         for rule in self.rules:
             r: dict[str, Any] = {"match": rule.match}
             if rule.op is not None:
@@ -236,13 +283,17 @@ class Policy:
                 r["format"] = rule.format.value
             if rule.gemms is not None:
                 r["gemms"] = {k: v.value for k, v in rule.gemms.items()}
+            if rule.granularity is not None:
+                r["granularity"] = rule.granularity.value
+            if rule.power_of_two_scales is not None:
+                r["power_of_two_scales"] = rule.power_of_two_scales
             out["rules"].append(r)
         return out
 
 
 # ---------------------------------------------------------------- YAML decoding
 
-_TOP_KEYS = {"version", "defaults", "rules"}
+_TOP_KEYS = {"version", "recipe", "defaults", "rules"}
 _SETTINGS_KEYS = {f.name for f in fields(Settings)}
 _RULE_KEYS = {f.name for f in fields(Rule)}
 
@@ -300,18 +351,22 @@ class _Decoder:
         try:
             return build()
         except PolicyError as e:
-            raise self.fail(_node_at(node, e.key_path), f"{key_path}.{e.key_path}", e.message) from None
+            path = e.key_path if key_path == "<root>" else f"{key_path}.{e.key_path}"
+            raise self.fail(_node_at(node, e.key_path), path, e.message) from None
 
     def policy(self, root: yaml.Node) -> Policy:
+        self.root = root
         top = self.mapping(root, "<root>", _TOP_KEYS)
         if "version" not in top:
             raise self.fail(root, "version", "missing; write `version: 1` at the top of the file")
         version = self.value(top["version"])
         if type(version) is not int or version != 1:
             raise self.fail(top["version"], "version", f"expected 1, got {version!r}")
-        defaults = Settings()
-        if "defaults" in top:
-            defaults = self.settings(top["defaults"], "defaults")
+        recipe = None
+        if "recipe" in top:
+            recipe = self.value(top["recipe"])
+            self.checked(top["recipe"], "<root>", lambda: recipe_settings(recipe))
+        defaults = self.settings(top.get("defaults"), "defaults", recipe)
         rules: list[Rule] = []
         if "rules" in top:
             rules_node = top["rules"]
@@ -319,12 +374,16 @@ class _Decoder:
                 raise self.fail(rules_node, "rules", f"expected a list of rules, got {_kind(rules_node)}")
             for i, rule_node in enumerate(rules_node.value):
                 rules.append(self.rule(rule_node, f"rules[{i}]"))
-        return Policy(defaults=defaults, rules=tuple(rules), source=self.source)
+        return Policy(defaults=defaults, rules=tuple(rules), source=self.source, recipe=recipe)
 
-    def settings(self, node: yaml.Node, key_path: str) -> Settings:
-        items = self.mapping(node, key_path, _SETTINGS_KEYS)
+    def settings(self, node: yaml.Node | None, key_path: str, recipe: str | None) -> Settings:
+        """`defaults`: the recipe's settings (if any), with the keys given here on top."""
+        items = self.mapping(node, key_path, _SETTINGS_KEYS) if node is not None else {}
         kwargs = {k: self.value(v) for k, v in items.items()}
-        return self.checked(node, key_path, lambda: Settings(**kwargs))
+        node = node if node is not None else self.root
+        if recipe is None:
+            return self.checked(node, key_path, lambda: Settings(**kwargs))
+        return self.checked(node, key_path, lambda: recipe_settings(recipe, **kwargs))
 
     def rule(self, node: yaml.Node, key_path: str) -> Rule:
         items = self.mapping(node, key_path, _RULE_KEYS)

@@ -1,29 +1,74 @@
-"""amax -> scale math (pure functions on tensors).
+"""amax -> scale math for every granularity (pure functions on tensors).
 
 Convention, used everywhere in fp8fx:
     x_fp8 = saturate(x * scale)        x ~= x_fp8 * scale_inv
     scale = fp8_max / amax / 2**margin
 An amax of 0, inf or NaN gives scale 1: a scale is never 0, inf or NaN.
+
+Granularity is described by a block over the last two dimensions of a GEMM operand:
+`()` is one scale for the whole tensor (tensorwise, a 0-d scale); `(b0, b1)` gives one scale per
+b0 x b1 block, where 0 means "the whole dimension". Rowwise is (1, 0) for the left operand and
+(0, 1) for the right one (one scale per row / column, along the contraction dimension); DeepSeek-V3's
+blockwise recipe is (1, 128) for activations and gradients, (128, 128) for weights. Scales of a
+blocked operand have shape [..., ceil(rows / b0), ceil(cols / b1)]; partial blocks at the edges
+take the amax of what they hold.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+from torch import Tensor
 
 _FP32_MAX = torch.finfo(torch.float32).max
 
+Block = tuple[int, ...]  # () or (b0, b1)
 
-def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+
+def tensor_amax(x: Tensor) -> Tensor:
     """Largest magnitude of `x` as an fp32 scalar (NaN if `x` holds a NaN)."""
     lo, hi = torch.aminmax(x.detach())  # one pass, no |x| temporary
     return torch.maximum(-lo, hi).to(torch.float32)
 
 
-def amax_to_scale(amax: torch.Tensor, fp8_max: float, margin: int = 0) -> torch.Tensor:
-    """Scale that maps `amax` onto `fp8_max / 2**margin`; 1 where amax is 0 or non-finite."""
+def block_dims(shape: torch.Size | tuple, block: Block) -> tuple[int, int]:
+    """The concrete block size for an operand of `shape` (0 -> the whole dimension)."""
+    rows, cols = shape[-2], shape[-1]
+    return (block[0] or rows, block[1] or cols)
+
+
+def block_amax(x: Tensor, block: Block) -> Tensor:
+    """amax per block of the last two dims: [..., ceil(rows/b0), ceil(cols/b1)] in fp32."""
+    if not block:
+        return tensor_amax(x)
+    rows, cols = x.shape[-2], x.shape[-1]
+    b0, b1 = block_dims(x.shape, block)
+    n0, n1 = math.ceil(rows / b0), math.ceil(cols / b1)
+    # Pad with zeros (which never raise an amax) so the blocks tile the tensor.
+    padded = torch.nn.functional.pad(x.detach().abs(), (0, n1 * b1 - cols, 0, n0 * b0 - rows))
+    tiles = padded.reshape(*x.shape[:-2], n0, b0, n1, b1)
+    return tiles.amax(dim=(-3, -1)).to(torch.float32)
+
+
+def expand_blocks(scale: Tensor, block: Block, shape: torch.Size | tuple) -> Tensor:
+    """Per-block values broadcast back to an operand of `shape` (tensorwise: unchanged)."""
+    if not block:
+        return scale
+    b0, b1 = block_dims(shape, block)
+    out = scale.repeat_interleave(b0, dim=-2).repeat_interleave(b1, dim=-1)
+    return out[..., : shape[-2], : shape[-1]]
+
+
+def amax_to_scale(amax: Tensor, fp8_max: float, margin: int = 0, power_of_two: bool = False) -> Tensor:
+    """Scale that maps `amax` onto `fp8_max / 2**margin`; 1 where amax is 0 or non-finite.
+
+    `power_of_two` rounds the scale down to a power of two, so scaling changes only exponents."""
     amax = amax.to(torch.float32)
     usable = torch.isfinite(amax) & (amax > 0)
     safe_amax = torch.where(usable, amax, torch.ones_like(amax))
     # Tiny amax would give an inf scale; clamp to the largest finite fp32.
     scale = (fp8_max / (2.0**margin) / safe_amax).clamp(max=_FP32_MAX)
+    if power_of_two:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
     return torch.where(usable, scale, torch.ones_like(scale))

@@ -15,9 +15,9 @@ from fp8fx.formats import Fp8Format, FormatRecipe, saturating_cast
 E4M3, E5M2 = Fp8Format.E4M3, Fp8Format.E5M2
 
 
-def quantize(x: torch.Tensor, fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = ops.amax_to_scale(ops.amax(x), fmt.max, 0)
-    return ops.cast(x, scale, fmt.dtype), scale.reciprocal()
+def quantize(x: torch.Tensor, fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:  # tensorwise
+    scale = ops.amax_to_scale(ops.amax(x, []), fmt.max, 0, False)
+    return ops.cast(x, scale, fmt.dtype, []), scale.reciprocal()
 
 
 def test_formats():
@@ -40,19 +40,19 @@ def test_cast_saturates_instead_of_overflowing(fmt):
     [(0.0, 1.0), (float("inf"), 1.0), (float("nan"), 1.0), (448.0, 1.0), (1.0, 448.0), (1e-44, torch.finfo(torch.float32).max)],
 )
 def test_amax_to_scale_is_never_zero_inf_or_nan(amax, expected):
-    scale = ops.amax_to_scale(torch.tensor(amax), E4M3.max, 0)
+    scale = ops.amax_to_scale(torch.tensor(amax), E4M3.max, 0, False)
     assert torch.isfinite(scale) and scale > 0
     assert scale.item() == pytest.approx(expected)
 
 
 def test_margin_halves_the_scale_per_step():
     amax = torch.tensor(2.0)
-    assert ops.amax_to_scale(amax, 448.0, 2).item() == pytest.approx(448.0 / 2 / 4)
+    assert ops.amax_to_scale(amax, 448.0, 2, False).item() == pytest.approx(448.0 / 2 / 4)
 
 
 def test_amax_propagates_nan_and_inf():
-    assert torch.isnan(ops.amax(torch.tensor([1.0, float("nan")])))
-    assert ops.amax(torch.tensor([-3.0, 2.0])).item() == 3.0
+    assert torch.isnan(ops.amax(torch.tensor([1.0, float("nan")]), []))
+    assert ops.amax(torch.tensor([-3.0, 2.0]), []).item() == 3.0
 
 
 @pytest.mark.parametrize(
@@ -73,7 +73,7 @@ def test_scaled_mm_matches_dequantize_then_fp64_gemm(m, n, k, fa, fb, bias):
     c = torch.randn(n, generator=g) if bias else None
     a8, sa = quantize(a, fa)
     b8, sb = quantize(b, fb)
-    out = ops.scaled_mm(a8, b8, sa, sb, c, torch.float32)
+    out = ops.scaled_mm(a8, b8, sa, sb, c, torch.float32, [], [])
     ref = (a8.double() * sa.double()) @ (b8.double() * sb.double()) + (c.double() if bias else 0)
     # fp32 accumulation of k exact products: error bounded by k * eps32 * sum |a||b|.
     bound = k * torch.finfo(torch.float32).eps * ((a8.double().abs() * sa) @ (b8.double().abs() * sb)) + 1e-6
@@ -83,7 +83,7 @@ def test_scaled_mm_matches_dequantize_then_fp64_gemm(m, n, k, fa, fb, bias):
 def test_scaled_bmm_and_out_dtype():
     a8, sa = quantize(torch.randn(3, 16, 32), E4M3)
     b8, sb = quantize(torch.randn(3, 32, 16), E4M3)
-    out = ops.scaled_mm(a8, b8, sa, sb, None, torch.bfloat16)
+    out = ops.scaled_mm(a8, b8, sa, sb, None, torch.bfloat16, [], [])
     assert out.dtype == torch.bfloat16 and out.shape == (3, 16, 16)
     ref = torch.bmm(a8.double(), b8.double()) * sa.double() * sb.double()
     assert torch.allclose(out.double(), ref, rtol=1e-2, atol=1e-2)
@@ -100,7 +100,7 @@ def test_scaled_bmm_and_out_dtype():
 def test_scaled_mm_rejects_bad_operands(a, b, message):
     one = torch.tensor(1.0)
     with pytest.raises(ValueError, match=message):
-        ops.scaled_mm(a, b, one, one, None, torch.float32)
+        ops.scaled_mm(a, b, one, one, None, torch.float32, [], [])
 
 
 @pytest.mark.parametrize("m,k", [(16, 32), (20, 32), (7, 40), (33, 17)])
@@ -110,7 +110,7 @@ def test_cuda_launcher_pads_token_dims_and_matches_emulation(m, k):
     b8, sb = quantize(torch.randn(k, 32), E4M3)
     out = scaled_mm_2d(a8, b8, sa, sb, torch.float32)
     assert out.shape == (m, 32)
-    torch.testing.assert_close(out, ops.scaled_mm(a8, b8, sa, sb, None, torch.float32), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ops.scaled_mm(a8, b8, sa, sb, None, torch.float32, [], []), rtol=1e-5, atol=1e-5)
 
 
 def test_cuda_launcher_refuses_what_cublas_cannot_do():
@@ -127,8 +127,8 @@ def test_cuda_launcher_batched_with_bias():
     a8, sa = quantize(torch.randn(2, 16, 32), E4M3)
     b8, sb = quantize(torch.randn(2, 32, 16), E4M3)
     bias = torch.randn(16)
-    out = scaled_mm_cuda(a8, b8, sa, sb, bias, torch.float32)
-    torch.testing.assert_close(out, ops.scaled_mm(a8, b8, sa, sb, bias, torch.float32), rtol=1e-5, atol=1e-5)
+    out = scaled_mm_cuda(a8, b8, sa, sb, bias, torch.float32, [], [])
+    torch.testing.assert_close(out, ops.scaled_mm(a8, b8, sa, sb, bias, torch.float32, [], []), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
@@ -136,8 +136,8 @@ def test_cuda_launcher_batched_with_bias():
 def test_scaled_mm_on_cuda_matches_cpu_emulation():
     a8, sa = quantize(torch.randn(64, 128), E4M3)
     b8, sb = quantize(torch.randn(128, 64), E4M3)
-    cpu = ops.scaled_mm(a8, b8, sa, sb, None, torch.float32)
-    gpu = ops.scaled_mm(a8.cuda(), b8.cuda(), sa.cuda(), sb.cuda(), None, torch.float32)
+    cpu = ops.scaled_mm(a8, b8, sa, sb, None, torch.float32, [], [])
+    gpu = ops.scaled_mm(a8.cuda(), b8.cuda(), sa.cuda(), sb.cuda(), None, torch.float32, [], [])
     torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-3, atol=1e-3)
 
 
@@ -146,9 +146,9 @@ def test_fake_implementations_give_shapes_and_dtypes():
 
     with FakeTensorMode():
         x = torch.empty(8, 32)
-        scale = ops.amax_to_scale(ops.amax(x), 448.0, 0)
-        x8 = ops.cast(x, scale, torch.float8_e4m3fn)
-        w8 = ops.cast(torch.empty(32, 16), scale, torch.float8_e4m3fn)
-        out = ops.scaled_mm(x8, w8, scale, scale, None, torch.bfloat16)
+        scale = ops.amax_to_scale(ops.amax(x, []), 448.0, 0, False)
+        x8 = ops.cast(x, scale, torch.float8_e4m3fn, [])
+        w8 = ops.cast(torch.empty(32, 16), scale, torch.float8_e4m3fn, [])
+        out = ops.scaled_mm(x8, w8, scale, scale, None, torch.bfloat16, [], [])
     assert scale.shape == () and x8.dtype == torch.float8_e4m3fn
     assert out.shape == (8, 16) and out.dtype == torch.bfloat16

@@ -151,10 +151,10 @@ def test_single_gemm_override(alias, role, prec, base):
 
 # (text, key_path, line, message fragment)
 BAD_FILES = {
-    "unknown_top_key": ("version: 1\nrulez: []\n", "rulez", 2, "unknown key; expected one of defaults, rules, version"),
+    "unknown_top_key": ("version: 1\nrulez: []\n", "rulez", 2, "unknown key; expected one of defaults, recipe, rules, version"),
     "unknown_rule_key": ("version: 1\nrules:\n  - match: x\n    granularty: tensorwise\n", "rules[0].granularty", 4, "unknown key"),
     "enum_defaults": ("version: 1\ndefaults:\n  format: e4m3\n  granularity: row\n", "defaults.granularity", 4,
-                      "expected tensorwise, got 'row'"),
+                      "expected tensorwise|rowwise|blockwise, got 'row'"),
     "enum_rule": ("version: 1\nrules:\n  - match: a\n  - match: b\n    format: e3m4\n", "rules[1].format", 5,
                   "expected hybrid|e4m3|e5m2, got 'e3m4'"),
     "enum_gemm_value": ("version: 1\ndefaults:\n  gemms: {output: low}\n", "defaults.gemms.output", 3, "expected fp8|high, got 'low'"),
@@ -246,7 +246,7 @@ def test_cli_validate_good(tmp_path):
 
 
 @pytest.mark.parametrize("text,expected", [
-    ("version: 1\ndefaults:\n  granularity: row\n", "{path}:3: defaults.granularity: expected tensorwise, got 'row'"),
+    ("version: 1\ndefaults:\n  granularity: row\n", "{path}:3: defaults.granularity: expected tensorwise|rowwise|blockwise, got 'row'"),
     ("version: 1\nrules:\n  - match: x\n    granularty: tensorwise\n", "{path}:4: rules[0].granularty: unknown key"),
     (None, "{path}: <file>: cannot read policy file"),
 ])

@@ -1,11 +1,15 @@
-"""Reference implementations of the fp8fx ops in plain torch: the CPU kernels of the ops, and
-what the ops decompose into when Inductor compiles a CPU graph (so it can fuse them).
+"""Reference implementations of the fp8fx ops in plain torch: the CPU kernels of the ops.
 
 FP8 emulation is exact: operands are real FP8 tensors, and the GEMM runs on their fp32 upcast
 (FP8 values and their pairwise products are exact in fp32) with fp32 accumulation; the scale
-inverses are applied to the fp32 result, as FP8 tensor cores do."""
+inverses are applied to the fp32 result, as FP8 tensor cores do. With blockwise scales along the
+contraction dimension, each K-block's partial product is scaled and promoted to the fp32
+accumulator separately (DeepSeek-V3's FP32 promotion every 128 K-elements).
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -14,20 +18,52 @@ from fp8fx import scaling
 from fp8fx.formats import fp8_format_of, saturating_cast
 
 
-def amax(x: Tensor) -> Tensor:
-    return scaling.tensor_amax(x)
+def amax(x: Tensor, block: list[int]) -> Tensor:
+    return scaling.block_amax(x, tuple(block))
 
 
-def amax_to_scale(amax: Tensor, fp8_max: float, margin: int) -> Tensor:
-    return scaling.amax_to_scale(amax, fp8_max, margin)
+def amax_to_scale(amax: Tensor, fp8_max: float, margin: int, power_of_two: bool) -> Tensor:
+    return scaling.amax_to_scale(amax, fp8_max, margin, power_of_two)
 
 
-def cast(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+def cast(x: Tensor, scale: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:
+    scale = scaling.expand_blocks(scale, tuple(block), x.shape)
     return saturating_cast(x.to(torch.float32) * scale, fp8_format_of(dtype))
 
 
-def scaled_mm(a: Tensor, b: Tensor, scale_inv_a: Tensor, scale_inv_b: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
-    out = torch.matmul(a.to(torch.float32), b.to(torch.float32)).mul_(scale_inv_a * scale_inv_b)
+def _as_blocks(scale_inv: Tensor, block: list[int]) -> tuple[Tensor, tuple[int, ...]]:
+    """A tensorwise scale as one block covering everything, so all granularities share one path."""
+    return (scale_inv, tuple(block)) if block else (scale_inv.reshape(1, 1), (0, 0))
+
+
+def scaled_mm(
+    a: Tensor,
+    b: Tensor,
+    scale_inv_a: Tensor,
+    scale_inv_b: Tensor,
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+    block_a: list[int],
+    block_b: list[int],
+) -> Tensor:
+    if not block_a and not block_b:  # tensorwise: one GEMM, one scaling of the result
+        out = torch.matmul(a.to(torch.float32), b.to(torch.float32)).mul_(scale_inv_a * scale_inv_b)
+    else:
+        sa, block_a = _as_blocks(scale_inv_a, block_a)
+        sb, block_b = _as_blocks(scale_inv_b, block_b)
+        k = a.shape[-1]
+        rows_a, k_a = scaling.block_dims(a.shape, block_a)
+        k_b, cols_b = scaling.block_dims(b.shape, block_b)
+        k_block = min(k_a, k_b)
+        n_k = math.ceil(k / k_block)
+        # Scales as [.., M, n_k] and [.., n_k, N]: one column / row per K-block of the GEMM.
+        sa = scaling.expand_blocks(sa, (rows_a, math.ceil(k_a / k_block)), (*a.shape[:-1], n_k))
+        sb = scaling.expand_blocks(sb, (math.ceil(k_b / k_block), cols_b), (*b.shape[:-2], n_k, b.shape[-1]))
+        out = None
+        for i, start in enumerate(range(0, k, k_block)):
+            part = torch.matmul(a[..., start : start + k_block].to(torch.float32), b[..., start : start + k_block, :].to(torch.float32))
+            part.mul_(sa[..., i : i + 1]).mul_(sb[..., i : i + 1, :])
+            out = part if out is None else out.add_(part)
     if bias is not None:
         out.add_(bias)
     return out.to(out_dtype)

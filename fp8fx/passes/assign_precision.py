@@ -39,6 +39,8 @@ class Decision:
     formats: tuple[Fp8Format, Fp8Format] | None = None  # left, right when FP8
     scaling: Scaling | None = None
     granularity: Granularity | None = None
+    blocks: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # left, right scale blocks (see fp8fx.scaling)
+    power_of_two: bool = False
 
     @property
     def fp8(self) -> bool:
@@ -60,6 +62,20 @@ def _operand_roles(site: MatmulSite, gemm: Gemm) -> tuple[str, str]:
     if "grad_output" not in roles:  # x @ x: one of the two must be the incoming gradient
         roles[0] = "grad_output"
     return roles[0], roles[1]
+
+
+BLOCK = 128  # DeepSeek-V3's tile
+
+
+def operand_blocks(granularity: Granularity, roles: tuple[str, str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Scale blocks of the left (M x K) and right (K x N) operand: always along the contraction dim."""
+    if granularity is Granularity.TENSORWISE:
+        return (), ()
+    if granularity is Granularity.ROWWISE:
+        return (1, 0), (0, 1)
+    left = (BLOCK, BLOCK) if roles[0] == "weight" else (1, BLOCK)
+    right = (BLOCK, BLOCK) if roles[1] == "weight" else (BLOCK, 1)
+    return left, right
 
 
 def _shape_problem(site: MatmulSite) -> str | None:
@@ -107,15 +123,17 @@ def decide(site: MatmulSite, gemm: Gemm, ctx: PassContext) -> Decision:
     problem = _operand_problem(gemm.node)
     if problem:
         return high(*problem)
-    fmt = res.settings.format
+    settings = res.settings
     return Decision(
         Precision.FP8,
         ReasonKind.POLICY,
         f"{where}: fp8",
         roles,
-        formats=(fmt.operand_format(roles[0]), fmt.operand_format(roles[1])),
-        scaling=res.settings.scaling,
-        granularity=res.settings.granularity,
+        formats=(settings.format.operand_format(roles[0]), settings.format.operand_format(roles[1])),
+        scaling=settings.scaling,
+        granularity=settings.granularity,
+        blocks=operand_blocks(settings.granularity, roles),
+        power_of_two=settings.power_of_two_scales,
     )
 
 

@@ -35,43 +35,56 @@ class _Inserter:
     def __init__(self, graph: fx.Graph):
         self.graph = graph
         self.fake_mode = fake_mode_of(graph)
-        self.cache: dict[tuple[fx.Node, Fp8Format], Quantized] = {}
+        self.cache: dict[tuple, Quantized] = {}
+        self.views: dict[tuple, fx.Node] = {}  # high-precision operand views rebuilt from their root
 
     def add(self, target, args, kwargs=None, *, tag_from: fx.Node) -> fx.Node:
         return add_node(self.graph, self.fake_mode, target, args, kwargs, tag_from=tag_from)
 
-    def quantize(self, root: fx.Node, fmt: Fp8Format, gemm: fx.Node) -> Quantized:
-        key = (root, fmt)
+    def quantize(self, x: fx.Node, fmt: Fp8Format, block: tuple, power_of_two: bool, gemm: fx.Node) -> Quantized:
+        key = (x, fmt, block, power_of_two)
         if key in self.cache:
             return self.cache[key]
         # Right after the producer, so every GEMM that needs it is dominated; placeholders stay first.
-        at = next(n for n in self.graph.nodes if n.op != "placeholder") if root.op == "placeholder" else root.next
-        tag_from = gemm if root.op == "placeholder" else root
+        at = next(n for n in self.graph.nodes if n.op != "placeholder") if x.op == "placeholder" else x.next
+        tag_from = gemm if x.op == "placeholder" else x
         with self.graph.inserting_before(at):
-            amax = self.add(fp8fx_ops.amax.default, (root,), tag_from=tag_from)
-            scale = self.add(fp8fx_ops.amax_to_scale.default, (amax, fmt.max, 0), tag_from=tag_from)
-            fp8 = self.add(fp8fx_ops.cast.default, (root, scale, fmt.dtype), tag_from=tag_from)
+            amax = self.add(fp8fx_ops.amax.default, (x, list(block)), tag_from=tag_from)
+            scale = self.add(fp8fx_ops.amax_to_scale.default, (amax, fmt.max, 0, power_of_two), tag_from=tag_from)
+            fp8 = self.add(fp8fx_ops.cast.default, (x, scale, fmt.dtype, list(block)), tag_from=tag_from)
             scale_inv = self.add(aten.reciprocal.default, (scale,), tag_from=tag_from)
         self.cache[key] = q = Quantized(fp8, scale_inv)
         return q
 
-    def operand(self, x: fx.Node, fmt: Fp8Format, gemm: fx.Node) -> tuple[fx.Node, fx.Node]:
-        root, chain = strip_layout(x)
-        q = self.quantize(root, fmt, gemm)
-        out = q.fp8
+    def replay(self, x: fx.Node, chain: list[fx.Node], gemm: fx.Node) -> fx.Node:
         with self.graph.inserting_before(gemm):
-            for view in chain:  # same views, now on the FP8 tensor
-                out = self.add(view.target, (out, *view.args[1:]), dict(view.kwargs), tag_from=gemm)
-        return out, q.scale_inv
+            for view in chain:
+                x = self.add(view.target, (x, *view.args[1:]), dict(view.kwargs), tag_from=gemm)
+        return x
+
+    def operand(self, x: fx.Node, fmt: Fp8Format, block: tuple, power_of_two: bool, gemm: fx.Node) -> tuple[fx.Node, fx.Node]:
+        root, chain = strip_layout(x)
+        if not block:  # tensorwise: cast the root once, replay the views on FP8
+            q = self.quantize(root, fmt, block, power_of_two, gemm)
+            return self.replay(q.fp8, chain, gemm), q.scale_inv
+        # Per-row / per-block scales follow the GEMM's layout: cast the operand as the GEMM sees
+        # it, rebuilt from the root so dtype casts (autocast's bf16 copies) are skipped.
+        key = (root, tuple((v.target, repr(v.args[1:]), repr(v.kwargs)) for v in chain))
+        if key not in self.views:  # e.g. q, k and v projections share one cast of their input
+            self.views[key] = self.replay(root, chain, gemm)
+        q = self.quantize(self.views[key], fmt, block, power_of_two, gemm)
+        return q.fp8, q.scale_inv
 
     def rewrite(self, gemm: fx.Node) -> fx.Node:
         decision = gemm.meta[META_KEY]["decision"]
         left, right, bias = matmul_operands(gemm)
-        a, a_scale_inv = self.operand(left, decision.formats[0], gemm)
-        b, b_scale_inv = self.operand(right, decision.formats[1], gemm)
+        (block_a, block_b), pow2 = decision.blocks, decision.power_of_two
+        a, a_scale_inv = self.operand(left, decision.formats[0], block_a, pow2, gemm)
+        b, b_scale_inv = self.operand(right, decision.formats[1], block_b, pow2, gemm)
         out_dtype = gemm.meta["val"].dtype
+        args = (a, b, a_scale_inv, b_scale_inv, bias, out_dtype, list(block_a), list(block_b))
         with self.graph.inserting_before(gemm):
-            new = self.add(fp8fx_ops.scaled_mm.default, (a, b, a_scale_inv, b_scale_inv, bias, out_dtype), tag_from=gemm)
+            new = self.add(fp8fx_ops.scaled_mm.default, args, tag_from=gemm)
         for key in _CARRIED_META:
             if key in gemm.meta:
                 new.meta[key] = gemm.meta[key]
