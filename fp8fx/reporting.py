@@ -38,6 +38,8 @@ class OpRecord:
     formats: tuple[str, str] | None  # FP8 format of the left and right operand
     scaling: str | None
     granularity: str | None
+    blocks: tuple[tuple[int, ...], tuple[int, ...]] | None  # scale blocks of the left and right operand (0 = whole dim)
+    power_of_two_scales: bool | None
 
     @property
     def backward(self) -> bool:
@@ -65,6 +67,8 @@ class OpRecord:
             formats=tuple(f.value for f in decision.formats) if decision.formats else None,
             scaling=decision.scaling.value if decision.scaling else None,
             granularity=decision.granularity.value if decision.granularity else None,
+            blocks=decision.blocks if decision.fp8 else None,
+            power_of_two_scales=decision.power_of_two if decision.fp8 else None,
         )
 
 

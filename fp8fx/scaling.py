@@ -38,6 +38,14 @@ def block_dims(shape: torch.Size | tuple, block: Block) -> tuple[int, int]:
     return (block[0] or rows, block[1] or cols)
 
 
+def scale_shape(shape: torch.Size | tuple, block: Block) -> tuple:
+    """Shape of the scales of an operand of `shape` with `block` (() for tensorwise)."""
+    if not block:
+        return ()
+    b0, b1 = block_dims(shape, block)
+    return (*shape[:-2], math.ceil(shape[-2] / b0), math.ceil(shape[-1] / b1))
+
+
 def block_amax(x: Tensor, block: Block) -> Tensor:
     """amax per block of the last two dims: [..., ceil(rows/b0), ceil(cols/b1)] in fp32."""
     if not block:
@@ -64,11 +72,12 @@ def amax_to_scale(amax: Tensor, fp8_max: float, margin: int = 0, power_of_two: b
     """Scale that maps `amax` onto `fp8_max / 2**margin`; 1 where amax is 0 or non-finite.
 
     `power_of_two` rounds the scale down to a power of two, so scaling changes only exponents."""
-    amax = amax.to(torch.float32)
+    # In fp64, then rounded once to fp32: the same scale in eager and compiled code (and torchao's).
+    amax = amax.to(torch.float64)
     usable = torch.isfinite(amax) & (amax > 0)
     safe_amax = torch.where(usable, amax, torch.ones_like(amax))
     # Tiny amax would give an inf scale; clamp to the largest finite fp32.
-    scale = (fp8_max / (2.0**margin) / safe_amax).clamp(max=_FP32_MAX)
+    scale = (fp8_max / (2.0**margin) / safe_amax).to(torch.float32).clamp(max=_FP32_MAX)
     if power_of_two:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     return torch.where(usable, scale, torch.ones_like(scale))

@@ -9,26 +9,17 @@ joint graph) or inference-only. `block` arguments describe the granularity (see 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from fp8fx.formats import fp8_format_of
 from fp8fx.ops import reference
-from fp8fx.scaling import block_dims
+from fp8fx.scaling import block_dims, scale_shape
 
 
 def _check_block(block: list[int], what: str) -> None:
     if block and (len(block) != 2 or any(b < 0 for b in block)):
         raise ValueError(f"fp8fx: {what} block must be [] or [rows, cols] with sizes >= 0 (0 = whole dim), got {block}")
-
-
-def _scale_shape(shape, block: list[int]) -> tuple:
-    if not block:
-        return ()
-    b0, b1 = block_dims(shape, block)
-    return (*shape[:-2], math.ceil(shape[-2] / b0), math.ceil(shape[-1] / b1))
 
 
 @torch.library.custom_op("fp8fx::amax", mutates_args=())
@@ -40,7 +31,7 @@ def amax(x: Tensor, block: list[int]) -> Tensor:
 
 @amax.register_fake
 def _(x: Tensor, block: list[int]) -> Tensor:
-    return x.new_empty(_scale_shape(x.shape, block), dtype=torch.float32)
+    return x.new_empty(scale_shape(x.shape, block), dtype=torch.float32)
 
 
 @torch.library.custom_op("fp8fx::amax_to_scale", mutates_args=())
@@ -75,7 +66,7 @@ def _check_scaled_mm_args(a, b, scale_inv_a, scale_inv_b, block_a, block_b) -> N
         raise ValueError(f"fp8fx::scaled_mm: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied")
     for name, x, s, block in (("a", a, scale_inv_a, block_a), ("b", b, scale_inv_b, block_b)):
         _check_block(block, f"scaled_mm operand {name}")
-        expected = _scale_shape(x.shape, block)
+        expected = scale_shape(x.shape, block)
         if s.dtype != torch.float32 or tuple(s.shape) != tuple(expected):
             raise ValueError(
                 f"fp8fx::scaled_mm: scale_inv_{name} must be fp32 of shape {tuple(expected)} for block {block}, "

@@ -6,6 +6,7 @@ import torch
 from torch import fx
 
 from fp8fx.formats import fp8_format_of
+from fp8fx.scaling import scale_shape
 from fp8fx.passes.graph_utils import PassContext, PassResult
 
 
@@ -23,13 +24,13 @@ def verify(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if "val" not in node.meta and node.op not in ("output",):
             raise VerifyError(f"node without meta['val']: {node.format_node()}")
     for node in scaled:
-        a, b, sa, sb = node.args[:4]
-        for x in (a, b):
+        a, b, sa, sb, _bias, _out_dtype, block_a, block_b = node.args
+        for x, s, block in ((a, sa, block_a), (b, sb, block_b)):
             try:
                 fp8_format_of(x.meta["val"].dtype)
             except ValueError as e:
                 raise VerifyError(f"{node.format_node()}: {e}") from None
-        for s in (sa, sb):
-            if s.meta["val"].dtype != torch.float32 or s.meta["val"].numel() != 1:
-                raise VerifyError(f"{node.format_node()}: scale_inv {s.name} is not an fp32 scalar")
+            expected = scale_shape(x.meta["val"].shape, tuple(block))
+            if s.meta["val"].dtype != torch.float32 or tuple(s.meta["val"].shape) != tuple(expected):
+                raise VerifyError(f"{node.format_node()}: scale_inv {s.name} is not fp32 of shape {tuple(expected)}")
     return PassResult(gm, modified=False)
