@@ -9,6 +9,7 @@ from fp8fx.compiler import Fp8fxBackend, backend, report
 from fp8fx.formats import Fp8Format, FormatRecipe
 from fp8fx.policy import GemmPrecisions, Policy, PolicyError, Precision, Rule, Settings, load_policy, policy_from_yaml
 from fp8fx.reporting import OpRecord, Report
+from fp8fx.state import prepare
 
 __version__ = "0.1.0"
 
@@ -27,5 +28,6 @@ __all__ = [
     "backend",
     "load_policy",
     "policy_from_yaml",
+    "prepare",
     "report",
 ]

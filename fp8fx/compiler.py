@@ -10,6 +10,7 @@ which Inductor calls on training joint graphs and inference graphs alike.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import fp8fx.ops  # noqa: F401  (registers the fp8fx::* operators)
 from fp8fx.passes import REWRITE_PASSES, PassContext, run_passes
+from fp8fx.passes.pipeline import PLANNING_PASSES
+from fp8fx.state import BUFFERS, Fp8State, state_for
 from fp8fx.policy import GEMM_ROLES, Policy, load_policy
 from fp8fx.reporting import OpRecord, Report
 
@@ -29,12 +32,14 @@ INNER_COMPILERS = ("inductor", "eager")
 
 @dataclass
 class GraphRecord:
-    """One graph this backend compiled: its GEMM records and the parameters it takes."""
+    """One graph this backend compiled: its GEMM records, the parameters it takes, and the
+    delayed-scaling state it reads (if any)."""
 
     index: int
     kind: str  # training | inference
     ops: list[OpRecord]
     params: list[weakref.ref] = field(default_factory=list)
+    state: Fp8State | None = None
 
     def belongs_to(self, param_ids: set[int]) -> bool:
         alive = [p() for p in self.params]
@@ -49,7 +54,7 @@ def _graph_kind(gm: fx.GraphModule) -> str:
 class Fp8fxBackend:
     """A `torch.compile` backend that runs matmuls in FP8 by policy and records every decision."""
 
-    def __init__(self, policy: Policy | str | Path | None = None, inner: str = "inductor"):
+    def __init__(self, policy: Policy | str | Path | None = None, inner: str = "inductor", keep_graphs: bool = False):
         if inner not in INNER_COMPILERS:
             raise ValueError(f"fp8fx.backend: inner must be one of {', '.join(INNER_COMPILERS)}, got {inner!r}")
         if policy is None:
@@ -61,21 +66,74 @@ class Fp8fxBackend:
         self.policy = policy
         self.inner = inner
         self.graphs: list[GraphRecord] = []
+        # With inner="eager" and keep_graphs, the rewritten graphs as they run, for inspection:
+        # ("forward" | "backward" | "inference", GraphModule).
+        self.keep_graphs = keep_graphs
+        self.kept_graphs: list[tuple[str, fx.GraphModule]] = []
 
     def __repr__(self) -> str:
         return f"Fp8fxBackend(inner={self.inner!r}, policy={self.policy.source or 'built-in'}, graphs={len(self.graphs)})"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]):
-        params = [weakref.ref(p) for p in example_inputs if isinstance(p, torch.nn.Parameter)]
-        rewrite = _Rewrite(self, params)
-        if self.inner == "eager":
-            return self._compile_eager(gm, example_inputs, rewrite)
-        return self._compile_inductor(gm, example_inputs, rewrite)
+        param_objs = [p for p in example_inputs if isinstance(p, torch.nn.Parameter)]
+        rewrite = _Rewrite(self, [weakref.ref(p) for p in param_objs])
+        compile_fn = self._compile_eager if self.inner == "eager" else self._compile_inductor
+        plan = self._plan_delayed_states(gm, example_inputs) if self.policy.uses_delayed_scaling else {}
+        if not plan:
+            return compile_fn(gm, example_inputs, rewrite)
+        # Delayed scaling: the states become extra graph inputs, passed on every call (looked up
+        # by name each time, so a load_state_dict(assign=True) is picked up too).
+        owner = state_for(param_objs)
+        if owner is None:
+            raise RuntimeError(
+                "fp8fx: delayed scaling keeps its amax histories and scales in the model: call "
+                "fp8fx.prepare(model) before torch.compile(model, ...)"
+            )
+        device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        keys = list(plan)
+        for key in keys:
+            owner.ensure(key, plan[key], device)
 
-    def rewrite(self, gm: fx.GraphModule, params: list[weakref.ref]) -> fx.GraphModule:
-        """Run the FP8 passes on an ATen graph (joint or inference) and record the decisions."""
+        def states() -> list[torch.Tensor]:
+            return [t for key in keys for t in owner.get(key).tensors()]
+
+        rewrite.state_keys, rewrite.state = keys, owner
+        compiled = compile_fn(_with_extra_inputs(gm, len(BUFFERS) * len(keys)), [*example_inputs, *states()], rewrite)
+
+        def run(*args):
+            return compiled(*args, *states())
+
+        return run
+
+    def _plan_delayed_states(self, gm: fx.GraphModule, example_inputs: list[Any]) -> dict[str, int]:
+        """Trace once without compiling to learn which delayed-scaling states the graph needs."""
+        from torch._dynamo.backends.common import aot_autograd
+
+        def plan(graph_module, *_args, **_kwargs):
+            ctx = PassContext(self.policy)
+            run_passes(graph_module, ctx, PLANNING_PASSES)
+            raise _Planned(ctx.delayed_states)
+
+        try:
+            aot_autograd(fw_compiler=plan, inference_compiler=plan, partition_fn=plan)(copy.deepcopy(gm), example_inputs)
+        except Exception as e:  # noqa: BLE001 - look for our result through any wrapping
+            while e is not None and not isinstance(e, _Planned):
+                e = e.__cause__ or e.__context__
+            if e is None:
+                raise
+            return e.states
+        return {}
+
+    def rewrite(self, gm: fx.GraphModule, params: list[weakref.ref], state_keys: list[str] = (), state: Fp8State | None = None) -> fx.GraphModule:
+        """Run the FP8 passes on an ATen graph (joint or inference) and record the decisions.
+
+        `state_keys` name the delayed-scaling states passed as the graph's last inputs."""
         kind = _graph_kind(gm)
         ctx = PassContext(self.policy)
+        if state_keys:
+            inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and not str(n.target).startswith("tangents")]
+            tail = inputs[len(inputs) - len(BUFFERS) * len(state_keys) :]
+            ctx.state_inputs = {key: tuple(tail[i * len(BUFFERS) : (i + 1) * len(BUFFERS)]) for i, key in enumerate(state_keys)}
         gm = run_passes(gm, ctx, REWRITE_PASSES)
         index = len(self.graphs)
         ops = [
@@ -84,11 +142,14 @@ class Fp8fxBackend:
             for role in GEMM_ROLES
             if role in site.gemms
         ]
-        self.graphs.append(GraphRecord(index, kind, ops, params))
+        self.graphs.append(GraphRecord(index, kind, ops, params, state))
         return gm
 
-    @staticmethod
-    def _compile_eager(gm: fx.GraphModule, example_inputs: list[Any], rewrite: _Rewrite):
+    def _keep(self, kind: str, gm: fx.GraphModule) -> None:
+        if self.keep_graphs:
+            self.kept_graphs.append((kind, gm))
+
+    def _compile_eager(self, gm: fx.GraphModule, example_inputs: list[Any], rewrite: _Rewrite):
         from functorch.compile import make_boxed_func
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -97,14 +158,16 @@ class Fp8fxBackend:
             rewrite(joint_gm)
             return min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
 
-        def inference_compiler(gm, _inputs):
-            return make_boxed_func(rewrite(gm))
+        def boxed(kind: str):
+            def compiler(gm, _inputs):
+                gm = rewrite(gm) if kind == "inference" else gm
+                self._keep(kind, gm)
+                return make_boxed_func(gm)
 
-        def boxed(gm, _inputs):
-            return make_boxed_func(gm)
+            return compiler
 
         return aot_autograd(
-            fw_compiler=boxed, bw_compiler=boxed, inference_compiler=inference_compiler, partition_fn=partition_fn
+            fw_compiler=boxed("forward"), bw_compiler=boxed("backward"), inference_compiler=boxed("inference"), partition_fn=partition_fn
         )(gm, example_inputs)
 
     @staticmethod
@@ -116,14 +179,34 @@ class Fp8fxBackend:
             return compile_fx(gm, example_inputs)
 
 
+class _Planned(Exception):
+    def __init__(self, states: dict[str, int]):
+        super().__init__("fp8fx planning trace (not an error)")
+        self.states = states
+
+
+def _with_extra_inputs(gm: fx.GraphModule, n: int) -> fx.GraphModule:
+    """A copy of Dynamo's graph that takes `n` more (unused) inputs at the end."""
+    gm = copy.deepcopy(gm)
+    last = [p for p in gm.graph.nodes if p.op == "placeholder"][-1]
+    for i in range(n):
+        with gm.graph.inserting_after(last):
+            last = gm.graph.placeholder(f"fp8fx_state_{i}")
+        last._dynamo_source = None
+    gm.recompile()
+    return gm
+
+
 class _Rewrite:
-    """The rewrite bound to one Dynamo graph (and the parameters it takes)."""
+    """The rewrite bound to one Dynamo graph (its parameters and delayed-scaling states)."""
 
     def __init__(self, backend: Fp8fxBackend, params: list[weakref.ref]):
         self.backend, self.params = backend, params
+        self.state_keys: list[str] = []
+        self.state: Fp8State | None = None
 
     def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
-        return self.backend.rewrite(gm, self.params)
+        return self.backend.rewrite(gm, self.params, self.state_keys, self.state)
 
 
 class _InductorJointPass(CustomGraphPass):
@@ -141,9 +224,9 @@ class _InductorJointPass(CustomGraphPass):
 DEFAULT_BACKEND = Fp8fxBackend()  # what `backend="fp8fx"` resolves to (entry point)
 
 
-def backend(policy: Policy | str | Path | None = None, inner: str = "inductor") -> Fp8fxBackend:
+def backend(policy: Policy | str | Path | None = None, inner: str = "inductor", keep_graphs: bool = False) -> Fp8fxBackend:
     """A configured backend: `torch.compile(model, backend=fp8fx.backend(policy="p.yaml"))`."""
-    return Fp8fxBackend(policy=policy, inner=inner)
+    return Fp8fxBackend(policy=policy, inner=inner, keep_graphs=keep_graphs)
 
 
 def _find_backend(compiled: Any) -> Fp8fxBackend | None:

@@ -40,7 +40,16 @@ class Precision(str, Enum):
 
 
 class Scaling(str, Enum):
+    """dynamic: the scale comes from this tensor's amax (TE's current scaling). delayed: from an
+    amax history of past steps (TE's DelayedScaling), kept as state in the model."""
+
     DYNAMIC = "dynamic"
+    DELAYED = "delayed"
+
+
+class AmaxComputeAlgo(str, Enum):
+    MAX = "max"
+    MOST_RECENT = "most_recent"
 
 
 class Granularity(str, Enum):
@@ -92,9 +101,18 @@ class Settings:
     # DeepSeek-V3 we keep them high unless a rule turns them on.
     ops: tuple[str, ...] = ("mm", "addmm")
     power_of_two_scales: bool = False  # round scales down to powers of two (torchao's rowwise default)
+    margin: int = 0  # scale = fp8_max / amax / 2**margin
+    # delayed scaling only (TE's DelayedScaling knobs):
+    amax_history_len: int = 1024
+    amax_compute_algo: AmaxComputeAlgo = AmaxComputeAlgo.MAX
+    interval: int = 1  # recompute the scale every `interval` steps
 
     def __post_init__(self) -> None:
         _bool(self.power_of_two_scales, "power_of_two_scales")
+        _int(self.margin, "margin", 0)
+        _int(self.amax_history_len, "amax_history_len", 1)
+        _int(self.interval, "interval", 1)
+        object.__setattr__(self, "amax_compute_algo", _enum(AmaxComputeAlgo, self.amax_compute_algo, "amax_compute_algo"))
         object.__setattr__(self, "format", _enum(FormatRecipe, self.format, "format"))
         object.__setattr__(self, "scaling", _enum(Scaling, self.scaling, "scaling"))
         object.__setattr__(self, "granularity", _enum(Granularity, self.granularity, "granularity"))
@@ -103,6 +121,13 @@ class Settings:
             object.__setattr__(self, "gemms", GemmPrecisions(**_gemm_overrides(self.gemms, "gemms")))
         elif not isinstance(self.gemms, GemmPrecisions):
             raise PolicyError("gemms", f"expected a mapping of {'|'.join(GEMM_ROLES)} to fp8|high, got {self.gemms!r}")
+        if self.scaling is Scaling.DELAYED and self.granularity is not Granularity.TENSORWISE:
+            raise PolicyError("scaling", f"delayed scaling keeps one scale per tensor; it needs granularity tensorwise, not {self.granularity.value}")
+
+
+def _int(value: Any, key_path: str, minimum: int) -> None:
+    if type(value) is not int or value < minimum:
+        raise PolicyError(key_path, f"expected an integer >= {minimum}, got {value!r}")
 
 
 def _bool(value: Any, key_path: str) -> None:
@@ -134,12 +159,19 @@ class Rule:
     gemms: dict[str, Precision] | None = None
     granularity: Granularity | None = None
     power_of_two_scales: bool | None = None
+    scaling: Scaling | None = None
+    margin: int | None = None
+    amax_history_len: int | None = None
+    amax_compute_algo: AmaxComputeAlgo | None = None
+    interval: int | None = None
 
     def __post_init__(self) -> None:
-        if self.granularity is not None:
-            object.__setattr__(self, "granularity", _enum(Granularity, self.granularity, "granularity"))
-        if self.power_of_two_scales is not None:
-            _bool(self.power_of_two_scales, "power_of_two_scales")
+        # The Settings a rule sets are checked by building Settings from them (and again, merged
+        # with the defaults, by the Policy).
+        given = {name: getattr(self, name) for name in _RULE_SETTINGS if getattr(self, name) is not None}
+        checked = replace(Settings(), **given)
+        for name in given:
+            object.__setattr__(self, name, getattr(checked, name))
         if not isinstance(self.match, str) or not self.match:
             raise PolicyError("match", f"expected a non-empty glob or 're:' regex, got {self.match!r}")
         if self.match.startswith("re:"):
@@ -151,8 +183,6 @@ class Rule:
             object.__setattr__(self, "op", _op_kinds(self.op, "op"))
         if self.precision is not None:
             object.__setattr__(self, "precision", _enum(Precision, self.precision, "precision"))
-        if self.format is not None:
-            object.__setattr__(self, "format", _enum(FormatRecipe, self.format, "format"))
         if self.gemms is not None:
             object.__setattr__(self, "gemms", _gemm_overrides(self.gemms, "gemms"))
 
@@ -178,7 +208,8 @@ def _gemm_overrides(value: Any, key_path: str) -> dict[str, Precision]:
     return out
 
 
-_RULE_SETTINGS = ("format", "granularity", "power_of_two_scales")  # Settings a rule may set directly
+# Settings a rule may set directly (all but `gemms`, which merges, and `ops`).
+_RULE_SETTINGS = ("format", "granularity", "power_of_two_scales", "scaling", "margin", "amax_history_len", "amax_compute_algo", "interval")
 
 # Named recipes: what each expands to, and whose recipe it reproduces.
 RECIPES: dict[str, dict[str, Any]] = {
@@ -190,6 +221,10 @@ RECIPES: dict[str, dict[str, Any]] = {
     "rowwise_gw_hp": {"format": "e4m3", "granularity": "rowwise", "power_of_two_scales": True, "gemms": {"grad_weight": "high"}},
     # DeepSeek-V3 / TE Float8BlockScaling: E4M3, 1x128 activation tiles, 128x128 weight blocks
     "blockwise": {"format": "e4m3", "granularity": "blockwise"},
+    # TE DelayedScaling defaults: HYBRID, amax history 1024, algo max, margin 0
+    "delayed": {"format": "hybrid", "scaling": "delayed", "amax_history_len": 1024, "amax_compute_algo": "max"},
+    # Megatron-LM defaults: amax history 1, most recent amax
+    "megatron": {"format": "hybrid", "scaling": "delayed", "amax_history_len": 1, "amax_compute_algo": "most_recent"},
 }
 
 
@@ -236,6 +271,14 @@ class Policy:
         for i, rule in enumerate(self.rules):
             if not isinstance(rule, Rule):
                 raise PolicyError(f"rules[{i}]", f"expected a Rule, got {type(rule).__name__}")
+            try:  # the rule on top of the defaults must make sense too (delayed needs tensorwise, ...)
+                self._apply(rule, i)
+            except PolicyError as e:
+                raise PolicyError(f"rules[{i}].{e.key_path}", e.message) from None
+
+    @property
+    def uses_delayed_scaling(self) -> bool:
+        return self.defaults.scaling is Scaling.DELAYED or any(r.scaling is Scaling.DELAYED for r in self.rules)
 
     def resolve(self, names: tuple[str, ...], op: str) -> Resolution:
         """Settings for a site known by `names` (site name, module FQN) with op kind `op`."""
@@ -271,6 +314,10 @@ class Policy:
             "ops": list(d.ops),
             "gemms": {role: d.gemms[role].value for role in GEMM_ROLES},
             "power_of_two_scales": d.power_of_two_scales,
+            "margin": d.margin,
+            "amax_history_len": d.amax_history_len,
+            "amax_compute_algo": d.amax_compute_algo.value,
+            "interval": d.interval,
         }
         out["rules"] = []
         for rule in self.rules:
@@ -283,10 +330,10 @@ class Policy:
                 r["format"] = rule.format.value
             if rule.gemms is not None:
                 r["gemms"] = {k: v.value for k, v in rule.gemms.items()}
-            if rule.granularity is not None:
-                r["granularity"] = rule.granularity.value
-            if rule.power_of_two_scales is not None:
-                r["power_of_two_scales"] = rule.power_of_two_scales
+            for name in _RULE_SETTINGS:
+                value = getattr(rule, name)
+                if value is not None:
+                    r[name] = value.value if isinstance(value, Enum) else value
             out["rules"].append(r)
         return out
 
@@ -374,7 +421,7 @@ class _Decoder:
                 raise self.fail(rules_node, "rules", f"expected a list of rules, got {_kind(rules_node)}")
             for i, rule_node in enumerate(rules_node.value):
                 rules.append(self.rule(rule_node, f"rules[{i}]"))
-        return Policy(defaults=defaults, rules=tuple(rules), source=self.source, recipe=recipe)
+        return self.checked(root, "<root>", lambda: Policy(defaults=defaults, rules=tuple(rules), source=self.source, recipe=recipe))
 
     def settings(self, node: yaml.Node | None, key_path: str, recipe: str | None) -> Settings:
         """`defaults`: the recipe's settings (if any), with the keys given here on top."""

@@ -1,14 +1,11 @@
-"""Shared test helpers: SQNR, compiling with a capture of the partitioned graphs, small models."""
+"""Shared test helpers: SQNR, compiling with the rewritten graphs kept, small models."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-from functorch.compile import make_boxed_func
 from torch import fx, nn
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import fp8fx
 
@@ -27,51 +24,35 @@ def count(gm: fx.GraphModule, target) -> int:
 
 @dataclass
 class Captured:
-    """A model compiled with fp8fx's passes, keeping the graphs it produced."""
+    """A model compiled with the eager fp8fx backend, which keeps the graphs it runs."""
 
     backend: fp8fx.Fp8fxBackend
-    dynamo_backend: object  # pass to torch.compile(..., backend=) to compile more callables
-    compiled: object = None
-    forward: list[fx.GraphModule] = field(default_factory=list)  # forward or inference graphs
-    backward: list[fx.GraphModule] = field(default_factory=list)
+    compiled: object
+
+    @property
+    def dynamo_backend(self) -> fp8fx.Fp8fxBackend:  # to compile more callables with the same backend
+        return self.backend
 
     @property
     def report(self) -> fp8fx.Report:
         return fp8fx.report(self.backend)
 
+    @property
+    def forward(self) -> list[fx.GraphModule]:  # forward and inference graphs
+        return [g for kind, g in self.backend.kept_graphs if kind != "backward"]
+
+    @property
+    def backward(self) -> list[fx.GraphModule]:
+        return [g for kind, g in self.backend.kept_graphs if kind == "backward"]
+
     def scaled_mm_nodes(self) -> int:
         return sum(count(g, SCALED_MM) for g in self.forward + self.backward)
 
 
-def compile_captured(model: nn.Module, policy: fp8fx.Policy | None = None) -> Captured:
-    """Like `torch.compile(model, backend=fp8fx.backend(inner="eager"))`, but keeps the graphs.
-
-    Drives aot_autograd exactly as the eager backend does, calling the backend's own rewrite."""
-    backend = fp8fx.backend(policy=policy, inner="eager")
-    def dynamo_backend(gm, example_inputs):
-        def partition_fn(joint, joint_inputs, **kwargs):
-            backend.rewrite(joint, [])
-            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-
-        def fw(g, _):
-            cap.forward.append(g)
-            return make_boxed_func(g)
-
-        def bw(g, _):
-            cap.backward.append(g)
-            return make_boxed_func(g)
-
-        def inference(g, _):
-            cap.forward.append(backend.rewrite(g, []))
-            return make_boxed_func(g)
-
-        return aot_autograd(fw_compiler=fw, bw_compiler=bw, inference_compiler=inference, partition_fn=partition_fn)(
-            gm, example_inputs
-        )
-
-    cap = Captured(backend, dynamo_backend)
-    cap.compiled = torch.compile(model, backend=dynamo_backend)
-    return cap
+def compile_captured(model: nn.Module, policy: fp8fx.Policy | None = None, **compile_kwargs) -> Captured:
+    """`torch.compile(model, backend=fp8fx.backend(policy, inner="eager", keep_graphs=True))`."""
+    backend = fp8fx.backend(policy=policy, inner="eager", keep_graphs=True)
+    return Captured(backend, torch.compile(model, backend=backend, **compile_kwargs))
 
 
 def tiny_gpt2():

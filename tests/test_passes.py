@@ -223,8 +223,7 @@ def test_backward_matmul_without_forward_site_is_reported_high():
 def test_dynamic_batch_dimension():
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
     reference = copy.deepcopy(model)
-    cap = compile_captured(model)
-    cap.compiled = torch.compile(model, backend=cap.dynamo_backend, dynamic=True)
+    cap = compile_captured(model, dynamic=True)
     for batch in (5, 9):
         x = torch.randn(batch, 32)
         out = cap.compiled(x)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from helpers import compile_captured, sqnr
 from torch import nn
 
+import fp8fx
 from fp8fx import Policy, ops
 from fp8fx.demo import TinyTransformer
 from fp8fx.formats import Fp8Format
@@ -181,7 +182,7 @@ def test_block_amax_handles_partial_blocks():
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_transformer_trains_20_steps_under_each_recipe(recipe):
     torch.manual_seed(0)
-    model = TinyTransformer(dim=128, heads=4, layers=2, max_seq=32)
+    model = fp8fx.prepare(TinyTransformer(dim=128, heads=4, layers=2, max_seq=32))
     policy = Policy.from_recipe(recipe)
     cap = compile_captured(model, policy)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -201,6 +202,12 @@ def test_transformer_trains_20_steps_under_each_recipe(recipe):
     grad_weight_fp8 = [op for op in report.find(role="grad_weight") if op.precision == "fp8"]
     assert bool(grad_weight_fp8) == (recipe != "rowwise_gw_hp")
     assert cap.scaled_mm_nodes() == len(report.fp8_ops)
+    state = model.fp8fx_state.states
+    if policy.defaults.scaling.value == "delayed":  # the scales really came from in-graph state
+        assert len(state) > 0 and all(s.steps.item() == 20 for s in state.values())
+        assert all(s.amax_history.shape == (policy.defaults.amax_history_len,) for s in state.values())
+    else:
+        assert len(state) == 0
 
 
 def test_blockwise_operand_blocks_follow_roles():

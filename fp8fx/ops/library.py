@@ -103,3 +103,25 @@ def scaled_mm(
 def _(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, block_a, block_b) -> Tensor:
     _check_scaled_mm_args(a, b, scale_inv_a, scale_inv_b, block_a, block_b)
     return a.new_empty((*a.shape[:-1], b.shape[-1]), dtype=out_dtype)
+
+
+@torch.library.custom_op("fp8fx::delayed_scale_update", mutates_args=())
+def delayed_scale_update(
+    amax_history: Tensor,
+    scale: Tensor,
+    steps: Tensor,
+    non_finite: Tensor,
+    amax: Tensor,
+    fp8_max: float,
+    margin: int,
+    power_of_two: bool,
+    most_recent: bool,
+    interval: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Next (amax_history, scale, steps, non_finite) of a delayed-scaling state, given this step's amax."""
+    return reference.delayed_scale_update(amax_history, scale, steps, non_finite, amax, fp8_max, margin, power_of_two, most_recent, interval)
+
+
+@delayed_scale_update.register_fake
+def _(amax_history, scale, steps, non_finite, amax, fp8_max, margin, power_of_two, most_recent, interval):
+    return torch.empty_like(amax_history), torch.empty_like(scale), torch.empty_like(steps), torch.empty_like(non_finite)

@@ -67,3 +67,31 @@ def scaled_mm(
     if bias is not None:
         out.add_(bias)
     return out.to(out_dtype)
+
+
+def delayed_scale_update(
+    amax_history: Tensor,
+    scale: Tensor,
+    steps: Tensor,
+    non_finite: Tensor,
+    amax: Tensor,
+    fp8_max: float,
+    margin: int,
+    power_of_two: bool,
+    most_recent: bool,
+    interval: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One step of TransformerEngine's delayed scaling, functionally.
+
+    This step's amax goes into slot 0 of the history; the scale is recomputed from the history's
+    max (or from this amax, `most_recent`) every `interval` steps; a zero or non-finite amax keeps
+    the previous scale (TE: `sf = where(amax > 0, sf, scale); sf = where(isfinite(amax), sf, scale)`);
+    then the history rolls by one and slot 0 is cleared for the next step."""
+    history = torch.cat([amax.reshape(1).to(amax_history.dtype), amax_history[1:]])
+    chosen = history[0] if most_recent else history.max()
+    candidate = scaling.amax_to_scale(chosen, fp8_max, margin, power_of_two)
+    usable = torch.isfinite(chosen) & (chosen > 0) & (steps % interval == 0)
+    new_scale = torch.where(usable, candidate, scale)
+    rolled = torch.roll(history, -1)
+    new_history = torch.cat([torch.zeros_like(rolled[:1]), rolled[1:]])
+    return new_history, new_scale, steps + 1, non_finite + (~torch.isfinite(amax)).to(non_finite.dtype)

@@ -13,7 +13,7 @@ from torch import fx
 from fp8fx.formats import Fp8Format
 from fp8fx.passes.find_matmuls import Gemm, MatmulSite, matmul_operands
 from fp8fx.passes.graph_utils import META_KEY, PassContext, PassResult, strip_layout
-from fp8fx.policy import Granularity, Precision, Scaling
+from fp8fx.policy import AmaxComputeAlgo, Granularity, Precision, Scaling
 
 ALIGN = 16  # FP8 tensor-core GEMMs need N and K in multiples of 16
 FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -31,6 +31,13 @@ class ReasonKind(str, Enum):
 
 
 @dataclass(frozen=True)
+class DelayedSpec:
+    history_len: int
+    algo: AmaxComputeAlgo
+    interval: int
+
+
+@dataclass(frozen=True)
 class Decision:
     precision: Precision
     reason_kind: ReasonKind
@@ -41,6 +48,8 @@ class Decision:
     granularity: Granularity | None = None
     blocks: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # left, right scale blocks (see fp8fx.scaling)
     power_of_two: bool = False
+    margin: int = 0
+    delayed: DelayedSpec | None = None  # set when scaling is delayed
 
     @property
     def fp8(self) -> bool:
@@ -134,6 +143,12 @@ def decide(site: MatmulSite, gemm: Gemm, ctx: PassContext) -> Decision:
         granularity=settings.granularity,
         blocks=operand_blocks(settings.granularity, roles),
         power_of_two=settings.power_of_two_scales,
+        margin=settings.margin,
+        delayed=(
+            DelayedSpec(settings.amax_history_len, settings.amax_compute_algo, settings.interval)
+            if settings.scaling is Scaling.DELAYED
+            else None
+        ),
     )
 
 

@@ -13,6 +13,7 @@ operand (the input) computes grad_weight.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -97,11 +98,8 @@ def _module_fqn(node: fx.Node) -> str:
     if not stack:
         return ""
     path = list(stack.values())[-1][0]
-    # Dynamo writes "L['self'].layers[0].mlp" (or "L['self'].layers.0"): make it a plain FQN.
-    for prefix in ("L['self'].", "L['self']", "L['mod'].", "L['model']."):
-        if path.startswith(prefix):
-            path = path[len(prefix) :]
-            break
+    # Dynamo writes "L['self'].layers[0].mlp" or "L['fn']._modules['0']": make it a plain FQN.
+    path = re.sub(r"^L\['[^']*'\]", "", path)
     path = path.replace("._modules['", ".").replace("['", ".").replace("']", "").replace("[", ".").replace("]", "")
     return path.strip(".")
 

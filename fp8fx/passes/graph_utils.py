@@ -50,6 +50,11 @@ class PassContext:
     policy: Policy
     sites: list = field(default_factory=list)  # MatmulSite, from find_matmuls
     decisions: dict = field(default_factory=dict)  # (site name, role) -> Decision, from assign_precision
+    # Delayed scaling: state key -> amax history length, filled by insert_casts; and the graph
+    # inputs holding each state's (amax_history, scale, steps, non_finite). Without the inputs
+    # (planning a compile) the casts are made with dynamic scales and only the keys are recorded.
+    delayed_states: dict[str, int] = field(default_factory=dict)
+    state_inputs: dict[str, tuple] | None = None
 
 
 def _is_dtype_cast(node: fx.Node) -> bool:

@@ -9,14 +9,18 @@ grad_weight: after partitioning, backward consumes the FP8 tensors forward made.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 
 from fp8fx.formats import Fp8Format
+from fp8fx.passes.assign_precision import DelayedSpec
 from fp8fx.passes.find_matmuls import matmul_operands
 from fp8fx.passes.graph_utils import META_KEY, PassContext, PassResult, add_node, fake_mode_of, strip_layout
+from fp8fx.policy import AmaxComputeAlgo
+from fp8fx.state import state_key
 
 fp8fx_ops = torch.ops.fp8fx
 aten = torch.ops.aten
@@ -29,31 +33,60 @@ _CARRIED_META = ("seq_nr", "autograd_backward", "nn_module_stack", "fwd_nn_modul
 class Quantized:
     fp8: fx.Node
     scale_inv: fx.Node
+    state_key: str | None = None  # delayed scaling: whose state the scale comes from
+
+
+@dataclass(frozen=True)
+class CastSpec:
+    """How one operand is cast: the decision's settings for that side."""
+
+    fmt: Fp8Format
+    block: tuple
+    power_of_two: bool
+    margin: int
+    delayed: DelayedSpec | None
 
 
 class _Inserter:
-    def __init__(self, graph: fx.Graph):
+    def __init__(self, graph: fx.Graph, ctx: PassContext):
         self.graph = graph
+        self.ctx = ctx
         self.fake_mode = fake_mode_of(graph)
+        self.output = next(n for n in reversed(graph.nodes) if n.op == "output")
         self.cache: dict[tuple, Quantized] = {}
         self.views: dict[tuple, fx.Node] = {}  # high-precision operand views rebuilt from their root
 
     def add(self, target, args, kwargs=None, *, tag_from: fx.Node) -> fx.Node:
         return add_node(self.graph, self.fake_mode, target, args, kwargs, tag_from=tag_from)
 
-    def quantize(self, x: fx.Node, fmt: Fp8Format, block: tuple, power_of_two: bool, gemm: fx.Node) -> Quantized:
-        key = (x, fmt, block, power_of_two)
-        if key in self.cache:
-            return self.cache[key]
+    def quantize(self, x: fx.Node, spec: CastSpec, gemm: fx.Node, state_key: str) -> Quantized:
+        if (x, spec) in self.cache:
+            return self.cache[(x, spec)]
         # Right after the producer, so every GEMM that needs it is dominated; placeholders stay first.
         at = next(n for n in self.graph.nodes if n.op != "placeholder") if x.op == "placeholder" else x.next
         tag_from = gemm if x.op == "placeholder" else x
+        fmt, block = spec.fmt, list(spec.block)
         with self.graph.inserting_before(at):
-            amax = self.add(fp8fx_ops.amax.default, (x, list(block)), tag_from=tag_from)
-            scale = self.add(fp8fx_ops.amax_to_scale.default, (amax, fmt.max, 0, power_of_two), tag_from=tag_from)
-            fp8 = self.add(fp8fx_ops.cast.default, (x, scale, fmt.dtype, list(block)), tag_from=tag_from)
+            amax = self.add(fp8fx_ops.amax.default, (x, block), tag_from=tag_from)
+            if spec.delayed is not None:
+                self.ctx.delayed_states[state_key] = spec.delayed.history_len
+            state = self.ctx.state_inputs[state_key] if spec.delayed is not None and self.ctx.state_inputs is not None else None
+            if state is None:  # dynamic scaling (or planning a delayed-scaling compile)
+                scale = self.add(fp8fx_ops.amax_to_scale.default, (amax, fmt.max, spec.margin, spec.power_of_two), tag_from=tag_from)
+            else:  # delayed: cast with the scale in use, then record this amax and update the state
+                scale = state[1]
+                d = spec.delayed
+                update_args = (*state, amax, fmt.max, spec.margin, spec.power_of_two, d.algo is AmaxComputeAlgo.MOST_RECENT, d.interval)
+                update = self.add(fp8fx_ops.delayed_scale_update.default, update_args, tag_from=tag_from)
+                new_state = [self.add(operator.getitem, (update, i), tag_from=tag_from) for i in range(len(state))]
+            fp8 = self.add(fp8fx_ops.cast.default, (x, scale, fmt.dtype, block), tag_from=tag_from)
             scale_inv = self.add(aten.reciprocal.default, (scale,), tag_from=tag_from)
-        self.cache[key] = q = Quantized(fp8, scale_inv)
+        if state is not None:
+            with self.graph.inserting_before(self.output):  # after every read of the old values
+                for old, new in zip(state, new_state):
+                    self.add(aten.copy_.default, (old, new), tag_from=tag_from)
+        q = Quantized(fp8, scale_inv, state_key if spec.delayed is not None else None)
+        self.cache[(x, spec)] = q
         return q
 
     def replay(self, x: fx.Node, chain: list[fx.Node], gemm: fx.Node) -> fx.Node:
@@ -62,27 +95,29 @@ class _Inserter:
                 x = self.add(view.target, (x, *view.args[1:]), dict(view.kwargs), tag_from=gemm)
         return x
 
-    def operand(self, x: fx.Node, fmt: Fp8Format, block: tuple, power_of_two: bool, gemm: fx.Node) -> tuple[fx.Node, fx.Node]:
+    def operand(self, x: fx.Node, spec: CastSpec, gemm: fx.Node, state_key: str) -> tuple[fx.Node, Quantized]:
         root, chain = strip_layout(x)
-        if not block:  # tensorwise: cast the root once, replay the views on FP8
-            q = self.quantize(root, fmt, block, power_of_two, gemm)
-            return self.replay(q.fp8, chain, gemm), q.scale_inv
+        if not spec.block:  # tensorwise: cast the root once, replay the views on FP8
+            q = self.quantize(root, spec, gemm, state_key)
+            return self.replay(q.fp8, chain, gemm), q
         # Per-row / per-block scales follow the GEMM's layout: cast the operand as the GEMM sees
         # it, rebuilt from the root so dtype casts (autocast's bf16 copies) are skipped.
         key = (root, tuple((v.target, repr(v.args[1:]), repr(v.kwargs)) for v in chain))
         if key not in self.views:  # e.g. q, k and v projections share one cast of their input
             self.views[key] = self.replay(root, chain, gemm)
-        q = self.quantize(self.views[key], fmt, block, power_of_two, gemm)
-        return q.fp8, q.scale_inv
+        q = self.quantize(self.views[key], spec, gemm, state_key)
+        return q.fp8, q
 
     def rewrite(self, gemm: fx.Node) -> fx.Node:
-        decision = gemm.meta[META_KEY]["decision"]
+        meta = gemm.meta[META_KEY]
+        d = meta["decision"]
         left, right, bias = matmul_operands(gemm)
-        (block_a, block_b), pow2 = decision.blocks, decision.power_of_two
-        a, a_scale_inv = self.operand(left, decision.formats[0], block_a, pow2, gemm)
-        b, b_scale_inv = self.operand(right, decision.formats[1], block_b, pow2, gemm)
-        out_dtype = gemm.meta["val"].dtype
-        args = (a, b, a_scale_inv, b_scale_inv, bias, out_dtype, list(block_a), list(block_b))
+        specs = [CastSpec(fmt, block, d.power_of_two, d.margin, d.delayed) for fmt, block in zip(d.formats, d.blocks)]
+        keys = [state_key(meta["site"], meta["role"], operand_role) for operand_role in d.operand_roles]
+        a, qa = self.operand(left, specs[0], gemm, keys[0])
+        b, qb = self.operand(right, specs[1], gemm, keys[1])
+        meta["state_keys"] = (qa.state_key, qb.state_key)
+        args = (a, b, qa.scale_inv, qb.scale_inv, bias, gemm.meta["val"].dtype, list(d.blocks[0]), list(d.blocks[1]))
         with self.graph.inserting_before(gemm):
             new = self.add(fp8fx_ops.scaled_mm.default, args, tag_from=gemm)
         for key in _CARRIED_META:
@@ -99,7 +134,7 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     ]
     if not fp8_gemms:
         return PassResult(gm, modified=False)
-    inserter = _Inserter(gm.graph)
+    inserter = _Inserter(gm.graph, ctx)
     for gemm in fp8_gemms:  # graph order: forward GEMMs make the casts backward reuses
         inserter.rewrite(gemm)
     gm.graph.eliminate_dead_code()

@@ -16,6 +16,7 @@ Pass = Callable[[fx.GraphModule, PassContext], PassResult]
 
 ANALYSIS_PASSES: tuple[Pass, ...] = (find_matmuls, assign_precision)
 REWRITE_PASSES: tuple[Pass, ...] = (*ANALYSIS_PASSES, insert_casts, verify)
+PLANNING_PASSES: tuple[Pass, ...] = (*ANALYSIS_PASSES, insert_casts)  # to learn the delayed-scaling states
 
 
 class PassError(RuntimeError):
