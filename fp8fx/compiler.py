@@ -252,7 +252,7 @@ def report(compiled: Any) -> Report:
     shared `backend="fp8fx"` instance, a compiled module's report holds the graphs that take its
     parameters."""
     if isinstance(compiled, Fp8fxBackend):
-        return Report([op for g in compiled.graphs for op in g.ops])
+        return _report(compiled.graphs)
     found = _find_backend(compiled)
     if found is None:
         raise ValueError(
@@ -264,4 +264,8 @@ def report(compiled: Any) -> Report:
     if found is DEFAULT_BACKEND and isinstance(orig, torch.nn.Module):
         param_ids = {id(p) for p in orig.parameters()}
         graphs = [g for g in graphs if g.belongs_to(param_ids)]
-    return Report([op for g in graphs for op in g.ops])
+    return _report(graphs)
+
+
+def _report(graphs: list[GraphRecord]) -> Report:
+    return Report([op.with_state(g.state) for g in graphs for op in g.ops])

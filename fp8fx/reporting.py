@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from fp8fx.passes.assign_precision import Decision
 from fp8fx.passes.find_matmuls import Gemm, MatmulSite
+from fp8fx.passes.graph_utils import META_KEY
 
 
 def _dim(d: Any) -> int | str:
@@ -40,6 +41,15 @@ class OpRecord:
     granularity: str | None
     blocks: tuple[tuple[int, ...], tuple[int, ...]] | None  # scale blocks of the left and right operand (0 = whole dim)
     power_of_two_scales: bool | None
+    margin: int | None
+    amax_history_len: int | None  # delayed scaling only, as are the next fields
+    amax_compute_algo: str | None
+    interval: int | None
+    state_keys: tuple[str | None, str | None] | None  # the states the operands' scales come from
+    # Delayed scaling, read from the model when the report is made:
+    scale: tuple[float, float] | None = None  # x_fp8 = saturate(x * scale)
+    scale_inv: tuple[float, float] | None = None  # x ~= x_fp8 * scale_inv
+    non_finite: tuple[int, int] | None = None  # steps whose amax was inf or NaN (the scale was kept)
 
     @property
     def backward(self) -> bool:
@@ -47,6 +57,7 @@ class OpRecord:
 
     @classmethod
     def make(cls, graph: int, graph_kind: str, site: MatmulSite, gemm: Gemm, decision: Decision) -> OpRecord:
+        delayed = decision.delayed if decision.fp8 else None
         return cls(
             graph=graph,
             graph_kind=graph_kind,
@@ -69,7 +80,37 @@ class OpRecord:
             granularity=decision.granularity.value if decision.granularity else None,
             blocks=decision.blocks if decision.fp8 else None,
             power_of_two_scales=decision.power_of_two if decision.fp8 else None,
+            margin=decision.margin if decision.fp8 else None,
+            amax_history_len=delayed.history_len if delayed else None,
+            amax_compute_algo=delayed.algo.value if delayed else None,
+            interval=delayed.interval if delayed else None,
+            state_keys=gemm.node.meta.get(META_KEY, {}).get("state_keys") if decision.fp8 else None,
         )
+
+    def with_state(self, state) -> OpRecord:  # noqa: ANN001 - fp8fx.state.Fp8State
+        """This record with the current scale, scale_inv and non-finite counts of its delayed states."""
+        if state is None or not self.state_keys or not any(self.state_keys):
+            return self
+        found = [state.get(key) if key else None for key in self.state_keys]
+        if any(f is None for f in found):
+            return self
+        scales = tuple(f.scale.item() for f in found)
+        return replace(
+            self,
+            scale=scales,
+            scale_inv=tuple(1.0 / s for s in scales),
+            non_finite=tuple(int(f.non_finite.item()) for f in found),
+        )
+
+
+def _scaling_text(op: OpRecord) -> str:
+    """e.g. "dynamic tensorwise", "delayed h1024 max scale=224,57344"."""
+    if op.precision != "fp8":
+        return "-"
+    if op.amax_history_len is None:
+        return f"{op.scaling} {op.granularity}"
+    text = f"delayed h{op.amax_history_len} {op.amax_compute_algo}"
+    return text + (f" scale={op.scale[0]:.4g},{op.scale[1]:.4g}" if op.scale else "")
 
 
 class Report:
@@ -104,6 +145,7 @@ class Report:
             "fp8_flop_share_forward": share([op for op in self.ops if not op.backward]),
             "fp8_flop_share_backward": share([op for op in self.ops if op.backward]),
             "fallbacks_by_reason": dict(Counter(op.reason_kind for op in self.high_ops)),
+            "non_finite_amax_events": {op.site + "." + op.role: op.non_finite for op in self.ops if op.non_finite and any(op.non_finite)},
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,7 +159,7 @@ class Report:
     def table(self) -> str:
         """A fixed-width table, one row per GEMM, then the summary."""
         total = sum(op.flops for op in self.ops) or 1
-        header = ("graph", "site", "op", "role", "M", "N", "K", "FLOP %", "prec", "formats", "reason")
+        header = ("graph", "site", "op", "role", "M", "N", "K", "FLOP %", "prec", "formats", "scaling", "reason")
         rows = [
             (
                 str(op.graph),
@@ -130,6 +172,7 @@ class Report:
                 f"{100 * op.flops / total:.1f}",
                 op.precision,
                 "x".join(op.formats) if op.formats else "-",
+                _scaling_text(op),
                 op.reason,
             )
             for op in self.ops
@@ -151,6 +194,8 @@ class Report:
         )
         if s["fallbacks_by_reason"]:
             lines.append("kept high: " + ", ".join(f"{k} {v}" for k, v in sorted(s["fallbacks_by_reason"].items())))
+        if s["non_finite_amax_events"]:
+            lines.append("non-finite amax (scale kept): " + ", ".join(f"{k} {v}" for k, v in s["non_finite_amax_events"].items()))
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -1,0 +1,150 @@
+"""Delayed scaling: TransformerEngine's formula over scripted amax sequences, state updated inside
+the compiled graph, saved with the model and resumed exactly."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import compile_captured
+from torch import nn
+
+import fp8fx
+from fp8fx import Policy, ops
+from fp8fx.demo import TinyTransformer
+
+SEQUENCE = [2.0, 8.0, 0.0, 1.0, 300.0, 1.0, 0.0, float("inf"), 1.0, 1.0, float("nan"), 0.5, 0.5, 0.5, 0.5, 4.0]
+
+
+def te_delayed_scaling(amaxes, history_len, algo, margin, interval, fp8_max=448.0):
+    """TE's DelayedScaling, written from its documentation: this step's amax goes to slot 0 of the
+    history; amax = max(history) or history[0]; sf = fp8_max / amax / 2**margin, keeping the old
+    scale where amax is 0 or non-finite; the history then rolls by one and slot 0 is cleared.
+    fp8fx recomputes the scale only every `interval` steps. Divisions are done in fp64 and rounded
+    once to fp32, as fp8fx does (TE divides in fp32: the two can differ by one fp32 ulp)."""
+    history, scale, scales = [0.0] * history_len, 1.0, []
+    for step, a in enumerate(amaxes):
+        history[0] = a
+        chosen = history[0] if algo == "most_recent" else (max(history) if not any(math.isnan(h) for h in history) else math.nan)
+        if step % interval == 0 and math.isfinite(chosen) and chosen > 0:
+            scale = float(torch.tensor(fp8_max / chosen / 2**margin, dtype=torch.float64).float())
+        scales.append(scale)
+        history = [0.0] + (history[2:] + history[:1] if history_len > 1 else [])
+        history = history[:history_len]
+    return scales
+
+
+@pytest.mark.parametrize(
+    "history_len,algo,margin,interval",
+    list(itertools.product([1, 4, 1024], ["max", "most_recent"], [0, 2], [1, 3])),
+)
+def test_state_update_follows_te_formula(history_len, algo, margin, interval):
+    h, s = torch.zeros(history_len), torch.ones(())
+    n, f = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+    got = []
+    for a in SEQUENCE:
+        h, s, n, f = ops.delayed_scale_update(h, s, n, f, torch.tensor(a), 448.0, margin, False, algo == "most_recent", interval)
+        got.append(s.item())
+    assert got == te_delayed_scaling(SEQUENCE, history_len, algo, margin, interval)
+    assert n.item() == len(SEQUENCE) and f.item() == 2  # the inf and the NaN step
+
+
+def test_compiled_linear_casts_with_the_previous_scale_and_updates_in_graph():
+    torch.manual_seed(0)
+    model = fp8fx.prepare(nn.Linear(32, 16, bias=False))
+    cap = compile_captured(model, Policy.from_recipe("delayed", amax_history_len=4))
+    expected = te_delayed_scaling(SEQUENCE, 4, "max", 0, 1)
+    w = model.weight.detach()
+    for step, a in enumerate(SEQUENCE):
+        x = torch.full((16, 32), a)
+        with torch.no_grad():
+            out = cap.compiled(x)
+        state = model.fp8fx_state.get("<top>:mm#0.output.input")
+        assert state is not None, list(model.fp8fx_state.states)
+        assert state.scale.item() == expected[step]
+        if step and math.isfinite(a):  # this step's cast used the scale left by the previous step
+            prev = expected[step - 1]
+            x8 = (x * prev).clamp(-448, 448).to(torch.float8_e4m3fn).float() / prev
+            w_scale = ops.amax_to_scale(ops.amax(w, []), 448.0, 0, False)  # the weight's scale is settled by now
+            if step > 1:
+                ref = x8 @ (w * w_scale).clamp(-448, 448).to(torch.float8_e4m3fn).float().t() / w_scale
+                torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    (op,) = fp8fx.report(cap.backend).ops
+    assert op.amax_history_len == 4 and op.amax_compute_algo == "max" and op.scaling == "delayed"
+    assert op.scale[0] == expected[-1] and op.scale_inv[0] == pytest.approx(1 / expected[-1])
+    assert op.non_finite == (2, 0)
+
+
+def _batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    data = (torch.randint(0, 200, (8, 1), generator=gen) + torch.arange(17) * 3) % 256
+    return data[:, :-1], data[:, 1:]
+
+
+def _train(model, opt, compiled, steps):
+    losses = []
+    for step in steps:
+        x, y = _batches(step)
+        loss = F.cross_entropy(compiled(x).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "megatron"])
+def test_resume_from_checkpoint_reproduces_steps_exactly(recipe, tmp_path):
+    policy = Policy.from_recipe(recipe, amax_history_len=8) if recipe == "delayed" else Policy.from_recipe(recipe)
+
+    def fresh():
+        torch.manual_seed(0)
+        model = fp8fx.prepare(TinyTransformer(dim=64, heads=4, layers=2, max_seq=16))
+        return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+    model, opt = fresh()
+    compiled = torch.compile(model, backend=fp8fx.backend(policy, inner="eager"))
+    _train(model, opt, compiled, range(10))
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    assert any(k.startswith("fp8fx_state.") for k in model.state_dict())
+    straight = _train(model, opt, compiled, range(10, 20))
+
+    torch._dynamo.reset()
+    model2, opt2 = fresh()
+    ckpt = torch.load(tmp_path / "ckpt.pt")
+    model2.load_state_dict(ckpt["model"])  # before the first compile: the state waits for its buffers
+    opt2.load_state_dict(ckpt["opt"])
+    compiled2 = torch.compile(model2, backend=fp8fx.backend(policy, inner="eager"))
+    resumed = _train(model2, opt2, compiled2, range(10, 20))
+    assert resumed == straight
+    assert all(math.isfinite(v) for v in straight)
+    state1, state2 = model.state_dict(), model2.state_dict()
+    assert all(torch.equal(state1[k], state2[k]) for k in state1 if k.startswith("fp8fx_state."))
+
+
+def test_delayed_scaling_without_prepare_is_a_clear_error():
+    compiled = torch.compile(nn.Linear(16, 16), backend=fp8fx.backend(Policy.from_recipe("delayed"), inner="eager"))
+    with pytest.raises(Exception, match=r"call fp8fx.prepare\(model\) before torch.compile"):
+        compiled(torch.randn(4, 16))
+
+
+def test_checkpoint_with_another_history_length_is_a_clear_error():
+    model = fp8fx.prepare(nn.Linear(16, 16))
+    torch.compile(model, backend=fp8fx.backend(Policy.from_recipe("delayed", amax_history_len=4), inner="eager"))(torch.randn(4, 16))
+    ckpt = model.state_dict()
+    torch._dynamo.reset()
+    other = fp8fx.prepare(nn.Linear(16, 16))
+    other.load_state_dict(ckpt)
+    compiled = torch.compile(other, backend=fp8fx.backend(Policy.from_recipe("delayed", amax_history_len=8), inner="eager"))
+    with pytest.raises(Exception, match="amax_history_len changed"):
+        compiled(torch.randn(4, 16))
+
+
+def test_prepare_leaves_sequential_models_working_and_state_dict_loadable():
+    model = fp8fx.prepare(nn.Sequential(nn.Linear(16, 16), nn.ReLU()))
+    assert fp8fx.prepare(model) is model  # idempotent
+    model(torch.randn(2, 16))
+    model.load_state_dict(model.state_dict())  # strict: the hooks add and consume fp8fx_state.*
