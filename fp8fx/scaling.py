@@ -53,19 +53,23 @@ def block_amax(x: Tensor, block: Block) -> Tensor:
     rows, cols = x.shape[-2], x.shape[-1]
     b0, b1 = block_dims(x.shape, block)
     n0, n1 = math.ceil(rows / b0), math.ceil(cols / b1)
-    # Pad with zeros (which never raise an amax) so the blocks tile the tensor.
-    padded = torch.nn.functional.pad(x.detach().abs(), (0, n1 * b1 - cols, 0, n0 * b0 - rows))
-    tiles = padded.reshape(*x.shape[:-2], n0, b0, n1, b1)
-    return tiles.amax(dim=(-3, -1)).to(torch.float32)
+    x = x.detach().abs()
+    if n0 * b0 != rows or n1 * b1 != cols:  # zeros never raise an amax: pad partial blocks
+        x = torch.nn.functional.pad(x, (0, n1 * b1 - cols, 0, n0 * b0 - rows))
+    return x.reshape(*x.shape[:-2], n0, b0, n1, b1).amax(dim=(-3, -1)).to(torch.float32)
 
 
 def expand_blocks(scale: Tensor, block: Block, shape: torch.Size | tuple) -> Tensor:
-    """Per-block values broadcast back to an operand of `shape` (tensorwise: unchanged)."""
+    """Per-block values broadcastable to an operand of `shape` (tensorwise: unchanged).
+
+    Dimensions with blocks of 1 or of the whole dimension broadcast as they are; only blocks
+    strictly in between are repeated out."""
     if not block:
         return scale
-    b0, b1 = block_dims(shape, block)
-    out = scale.repeat_interleave(b0, dim=-2).repeat_interleave(b1, dim=-1)
-    return out[..., : shape[-2], : shape[-1]]
+    for dim, b in zip((-2, -1), block_dims(shape, block)):
+        if 1 < b < shape[dim]:
+            scale = scale.repeat_interleave(b, dim=dim).narrow(dim, 0, shape[dim])
+    return scale
 
 
 def amax_to_scale(amax: Tensor, fp8_max: float, margin: int = 0, power_of_two: bool = False) -> Tensor:

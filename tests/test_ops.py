@@ -152,3 +152,14 @@ def test_fake_implementations_give_shapes_and_dtypes():
         out = ops.scaled_mm(x8, w8, scale, scale, None, torch.bfloat16, [], [])
     assert scale.shape == () and x8.dtype == torch.float8_e4m3fn
     assert out.shape == (8, 16) and out.dtype == torch.bfloat16
+
+
+def test_scaled_mm_mixes_tensorwise_and_blockwise_operands():
+    a = torch.randn(8, 256)
+    b = torch.randn(256, 32)
+    a8, sa = quantize(a, E4M3)
+    sb = ops.amax_to_scale(ops.amax(b, [128, 128]), 448.0, 0, False)
+    b8 = ops.cast(b, sb, torch.float8_e4m3fn, [128, 128])
+    out = ops.scaled_mm(a8, b8, sa, sb.reciprocal(), None, torch.float32, [], [128, 128])
+    ref = (a8.double() * sa.double()) @ (b8.double() / sb.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:, :32])
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)

@@ -56,9 +56,10 @@ def scaled_mm(
         k_b, cols_b = scaling.block_dims(b.shape, block_b)
         k_block = min(k_a, k_b)
         n_k = math.ceil(k / k_block)
-        # Scales as [.., M, n_k] and [.., n_k, N]: one column / row per K-block of the GEMM.
+        # Scales as [.., M or 1, n_k] and [.., n_k, N or 1]: one column / row per K-block of the GEMM.
         sa = scaling.expand_blocks(sa, (rows_a, math.ceil(k_a / k_block)), (*a.shape[:-1], n_k))
         sb = scaling.expand_blocks(sb, (math.ceil(k_b / k_block), cols_b), (*b.shape[:-2], n_k, b.shape[-1]))
+        sa, sb = sa.expand(*sa.shape[:-1], n_k), sb.expand(*sb.shape[:-2], n_k, sb.shape[-1])
         out = None
         for i, start in enumerate(range(0, k, k_block)):
             part = torch.matmul(a[..., start : start + k_block].to(torch.float32), b[..., start : start + k_block, :].to(torch.float32))
