@@ -148,3 +148,18 @@ def test_prepare_leaves_sequential_models_working_and_state_dict_loadable():
     assert fp8fx.prepare(model) is model  # idempotent
     model(torch.randn(2, 16))
     model.load_state_dict(model.state_dict())  # strict: the hooks add and consume fp8fx_state.*
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_state_survives_recompiles_and_works_under_inductor(inner):
+    torch.manual_seed(0)
+    model = fp8fx.prepare(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)))
+    backend = fp8fx.backend(Policy.from_recipe("delayed", amax_history_len=4), inner=inner)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    for batch in (8, 8, 16):  # the third call recompiles for a new shape
+        compiled(torch.randn(batch, 32)).sum().backward()
+    assert len(backend.graphs) == 2
+    states = model.fp8fx_state.states
+    # Both graphs read and update the same states: three steps recorded, none lost to the recompile.
+    assert len(states) == 6 and all(s.steps.item() == 3 for s in states.values())
+    assert all(torch.isfinite(s.scale) and s.scale > 1 for s in states.values())
