@@ -76,6 +76,9 @@ def scaled_mm_cuda(
     block_a: list[int],
     block_b: list[int],
 ) -> Tensor:
+    from fp8fx.ops.reference import check_scaled_mm_args
+
+    check_scaled_mm_args(a, b, scale_inv_a, scale_inv_b, block_a, block_b)
     if a.dim() == 2:
         out = scaled_mm_2d(a, b, scale_inv_a, scale_inv_b, out_dtype, block_a, block_b)
     else:  # bmm: one GEMM per batch entry until the batched Triton kernel exists

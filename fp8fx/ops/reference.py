@@ -16,17 +16,50 @@ from torch import Tensor
 
 from fp8fx import scaling
 from fp8fx.formats import fp8_format_of, saturating_cast
+from fp8fx.scaling import block_dims, scale_shape
+
+
+def check_block(block: list[int], what: str) -> None:
+    if block and (len(block) != 2 or any(b < 0 for b in block)):
+        raise ValueError(f"fp8fx: {what} block must be [] or [rows, cols] with sizes >= 0 (0 = whole dim), got {block}")
+
+
+def check_scaled_mm_args(a, b, scale_inv_a, scale_inv_b, block_a, block_b) -> None:
+    for name, t in (("a", a), ("b", b)):
+        fp8_format_of(t.dtype)  # raises with the dtype named
+        if t.dim() not in (2, 3):
+            raise ValueError(f"fp8fx::scaled_mm: operand {name} must be 2-D or 3-D, got shape {tuple(t.shape)}")
+    if a.dim() != b.dim() or a.shape[-1] != b.shape[-2] or (a.dim() == 3 and a.shape[0] != b.shape[0]):
+        raise ValueError(f"fp8fx::scaled_mm: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied")
+    for name, x, s, block in (("a", a, scale_inv_a, block_a), ("b", b, scale_inv_b, block_b)):
+        check_block(block, f"scaled_mm operand {name}")
+        expected = scale_shape(x.shape, block)
+        if s.dtype != torch.float32 or tuple(s.shape) != tuple(expected):
+            raise ValueError(
+                f"fp8fx::scaled_mm: scale_inv_{name} must be fp32 of shape {tuple(expected)} for block {block}, "
+                f"got {s.dtype} {tuple(s.shape)}"
+            )
+    k = a.shape[-1]
+    k_a = block_dims(a.shape, block_a)[1] if block_a else k
+    k_b = block_dims(b.shape, block_b)[0] if block_b else k
+    if k_a != k_b and k_a != k and k_b != k:
+        raise ValueError(f"fp8fx::scaled_mm: the operands' blocks along K differ ({k_a} vs {k_b})")
 
 
 def amax(x: Tensor, block: list[int]) -> Tensor:
+    """Largest magnitude of `x` (per block), fp32."""
+    check_block(block, "amax")
     return scaling.block_amax(x, tuple(block))
 
 
 def amax_to_scale(amax: Tensor, fp8_max: float, margin: int, power_of_two: bool) -> Tensor:
+    """`fp8_max / amax / 2**margin` (optionally rounded down to a power of two), 1 for a zero or non-finite amax."""
     return scaling.amax_to_scale(amax, fp8_max, margin, power_of_two)
 
 
 def cast(x: Tensor, scale: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:
+    """Saturating cast of `x * scale` (scale per block) to the FP8 `dtype`."""
+    check_block(block, "cast")
     scale = scaling.expand_blocks(scale, tuple(block), x.shape)
     return saturating_cast(x.to(torch.float32) * scale, fp8_format_of(dtype))
 
@@ -46,6 +79,8 @@ def scaled_mm(
     block_a: list[int],
     block_b: list[int],
 ) -> Tensor:
+    """`(a * scale_inv_a) @ (b * scale_inv_b) + bias` in `out_dtype`; a, b FP8, 2-D (mm) or 3-D (bmm)."""
+    check_scaled_mm_args(a, b, scale_inv_a, scale_inv_b, block_a, block_b)
     if not block_a and not block_b:  # tensorwise: one GEMM, one scaling of the result
         out = torch.matmul(a.to(torch.float32), b.to(torch.float32)).mul_(scale_inv_a * scale_inv_b)
     else:
