@@ -50,7 +50,6 @@ class Fp8State(nn.Module):
         super().__init__()
         self.states = nn.ModuleDict()
         self._pending: dict[str, torch.Tensor] = {}  # loaded before the buffers existed
-        self.keys: dict[str, str] = {}  # state key -> module name
 
     def ensure(self, key: str, history_len: int, device: torch.device) -> DelayedScalingState:
         name = _module_name(key)
@@ -67,11 +66,10 @@ class Fp8State(nn.Module):
                         )
                     getattr(state, buf).copy_(loaded)
             self.states[name] = state
-        self.keys[key] = name
         return self.states[name]
 
     def get(self, key: str) -> DelayedScalingState | None:
-        name = self.keys.get(key, _module_name(key))
+        name = _module_name(key)
         return self.states[name] if name in self.states else None
 
     def load(self, items: dict[str, torch.Tensor]) -> None:
