@@ -131,3 +131,60 @@ def delayed_scale_update(
     rolled = torch.roll(history, -1)
     new_history = torch.cat([torch.zeros_like(rolled[:1]), rolled[1:]])
     return new_history, new_scale, steps + 1, non_finite + (~torch.isfinite(amax)).to(non_finite.dtype)
+
+
+def _activation(y: Tensor, name: str) -> Tensor:
+    if name == "relu":
+        return torch.relu(y)
+    if name in ("gelu", "gelu_tanh"):
+        return torch.nn.functional.gelu(y, approximate="tanh" if name == "gelu_tanh" else "none")
+    if name == "silu":
+        return torch.nn.functional.silu(y)
+    return y
+
+
+def fp8_gemm(
+    a: Tensor,
+    b: Tensor,
+    scale_inv_a: Tensor,
+    scale_inv_b: Tensor,
+    bias: Tensor | None,
+    other: Tensor | None,
+    residual: Tensor | None,
+    out_scale: Tensor | None,
+    out_dtype: torch.dtype,
+    aux_dtype: torch.dtype,
+    block_a: list[int],
+    block_b: list[int],
+    epilogue: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """FP8 GEMM with a fused epilogue (see `fp8fx.codegen.triton_kernels` for the order).
+
+    `epilogue` is an `Epilogue.spec()` string. Everything after the GEMM runs in fp32 and is rounded
+    once, to `out_dtype` (FP8: saturating cast of `y * out_scale`). Returns (out, aux, amax); aux
+    and amax are empty tensors when the epilogue does not make them."""
+    from fp8fx.codegen.variants import Epilogue  # the spec's parser; codegen imports no reference code
+
+    ep = Epilogue.parse(epilogue)
+    y = scaled_mm(a, b, scale_inv_a, scale_inv_b, None, torch.float32, block_a, block_b)
+    stages = {}
+    if ep.bias:
+        y = y + bias
+    stages["pre_activation"] = y
+    y = _activation(y, ep.activation)
+    stages["activation"] = y
+    if ep.mul == "by_other":
+        y = y * other
+    elif ep.mul == "gated":
+        y = _activation(other.to(torch.float32), ep.mul_activation) * y
+    stages["product"] = y
+    if ep.residual:
+        y = y + residual
+    stages["sum"] = y
+    aux = stages[ep.aux].to(aux_dtype) if ep.aux != "none" else y.new_empty(0, dtype=aux_dtype)
+    amax = scaling.tensor_amax(y) if ep.out_amax else y.new_empty(0)
+    if out_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        out = saturating_cast(y * out_scale, fp8_format_of(out_dtype))
+    else:
+        out = y.to(out_dtype)
+    return out, aux, amax

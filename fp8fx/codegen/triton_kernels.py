@@ -1,0 +1,242 @@
+"""The Triton kernels: one FP8 GEMM template with constexpr epilogue hooks, and the quantize kernels.
+
+Every choice a variant makes is a `tl.constexpr`, so Triton compiles (and caches) one kernel per
+epilogue signature and dead branches cost nothing. The GEMM epilogue runs in a fixed order, the
+order of a transformer's elementwise chain after a matmul:
+
+    acc = sum_k A_fp8 @ B_fp8                  (fp32 accumulation on FP8 tensor cores)
+    y   = acc * scale_inv_a * scale_inv_b      (per tensor / row / column / K-block)
+    y   = y + bias                              HAS_BIAS
+    aux = y                                     AUX_STAGE == 1 (pre-activation, for backward)
+    y   = act(y)                                ACTIVATION: relu, gelu, gelu_tanh, silu
+    y   = y * other   or   act(other) * y       MUL_MODE 1 / 2 (gated MLPs: silu(gate) * up)
+    y   = y + residual                          HAS_RESIDUAL
+    amax(|y|) -> atomic max                     OUT_AMAX (producer amax for the next FP8 cast)
+    out = y, or saturate(y * out_scale) in FP8  OUT_FP8
+
+FP8 stores go through `_round_to_fp8_grid` first: the value is rounded (to nearest even, in fp32,
+with explicit subnormals) onto the FP8 grid before the conversion, so the conversion itself is
+exact on every backend, including Triton's interpreter whose FP8 downcast does not round.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
+
+_SQRT_HALF = tl.constexpr(0.7071067811865476)
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+
+
+@triton.jit
+def _round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+    """Round fp32 `x` (already clamped to the format's range) to the nearest FP8 value, ties to even."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXPONENT)  # subnormals share the min exponent's ulp
+    ulp = ((exponent - MANTISSA_BITS + 127) << 23).to(tl.float32, bitcast=True)
+    # Adding and subtracting 1.5 * 2**23 rounds to an integer, ties to even (|x / ulp| < 2**22).
+    rounded = ((x / ulp + 12582912.0) - 12582912.0) * ulp
+    # Keep the sign of values that round to zero (-0.0, as PyTorch's cast gives).
+    return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_fp8(x, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+    """Saturating cast of fp32 to the FP8 grid (NaN stays NaN), still held in fp32."""
+    clamped = tl.where(x != x, x, tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
+    return _round_to_fp8_grid(clamped, MANTISSA_BITS, MIN_EXPONENT)
+
+
+@triton.jit
+def _abs_max(x):
+    """max |x| over a tile, NaN if any element is NaN (tl.max alone drops NaN; an amax must not)."""
+    has_nan = tl.sum((x != x).to(tl.int32)) > 0
+    return tl.where(has_nan, float("nan"), tl.max(tl.abs(x)))
+
+
+@triton.jit
+def _activation(y, ACTIVATION: tl.constexpr):
+    if ACTIVATION == 1:
+        y = tl.maximum(y, 0.0)
+    elif ACTIVATION == 2:
+        y = 0.5 * y * (1.0 + tl.math.erf(y * _SQRT_HALF))
+    elif ACTIVATION == 3:
+        inner = _SQRT_2_OVER_PI * (y + 0.044715 * y * y * y)
+        y = 0.5 * y * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))  # 1 + tanh(inner)
+    elif ACTIVATION == 4:
+        y = y / (1.0 + tl.exp(-y))
+    return y
+
+
+@triton.jit
+def _scale_index(offs_rows, k0, ROW_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr):
+    """Row and K index into a block-scale tensor; a block size of 0 means the whole dimension."""
+    if ROW_BLOCK == 0:
+        rows = offs_rows * 0
+    else:
+        rows = offs_rows // ROW_BLOCK
+    if K_BLOCK == 0:
+        k = 0
+    else:
+        k = k0 // K_BLOCK
+    return rows, k
+
+
+@triton.jit
+def fp8_gemm_kernel(
+    a_ptr, b_ptr, out_ptr, scale_a_ptr, scale_b_ptr,
+    bias_ptr, other_ptr, residual_ptr, aux_ptr, out_scale_ptr, amax_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on,
+    stride_sa_row, stride_sa_k, stride_sb_k, stride_sb_col,
+    stride_xm, stride_xn, stride_rm, stride_rn, stride_aux_m, stride_aux_n,
+    A_ROW_BLOCK: tl.constexpr, A_K_BLOCK: tl.constexpr, B_K_BLOCK: tl.constexpr, B_COL_BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, AUX_STAGE: tl.constexpr, ACTIVATION: tl.constexpr, MUL_MODE: tl.constexpr,
+    MUL_ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_AMAX: tl.constexpr, OUT_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Grouped ordering of output tiles: GROUP_M row-tiles share their B columns in L2.
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * grid_n)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size)
+    pid_n = (pid % (GROUP_M * grid_n)) // group_size
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+
+    # Scales along K (blockwise recipes) promote each K-block's partial product to the fp32
+    # accumulator with its own scales; otherwise the scales are applied once after the loop.
+    PER_K_SCALES: tl.constexpr = A_K_BLOCK != 0 or B_K_BLOCK != 0
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k[None, :] < K - k0
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & k_mask, other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < K - k0) & mask_n[None, :], other=0.0)
+        if PER_K_SCALES:
+            rows_a, ka = _scale_index(offs_m, k0, A_ROW_BLOCK, A_K_BLOCK)
+            cols_b, kb = _scale_index(offs_n, k0, B_COL_BLOCK, B_K_BLOCK)
+            sa = tl.load(scale_a_ptr + rows_a * stride_sa_row + ka * stride_sa_k, mask=mask_m, other=1.0)
+            sb = tl.load(scale_b_ptr + kb * stride_sb_k + cols_b * stride_sb_col, mask=mask_n, other=1.0)
+            acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if not PER_K_SCALES:
+        rows_a, _ka = _scale_index(offs_m, 0, A_ROW_BLOCK, A_K_BLOCK)
+        cols_b, _kb = _scale_index(offs_n, 0, B_COL_BLOCK, B_K_BLOCK)
+        sa = tl.load(scale_a_ptr + rows_a * stride_sa_row, mask=mask_m, other=1.0)
+        sb = tl.load(scale_b_ptr + cols_b * stride_sb_col, mask=mask_n, other=1.0)
+        acc = acc * sa[:, None] * sb[None, :]
+
+    mask = mask_m[:, None] & mask_n[None, :]
+    y = acc
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if AUX_STAGE == 1:
+        tl.store(aux_ptr + offs_m[:, None] * stride_aux_m + offs_n[None, :] * stride_aux_n, y.to(aux_ptr.dtype.element_ty), mask=mask)
+    y = _activation(y, ACTIVATION)
+    if AUX_STAGE == 2:
+        tl.store(aux_ptr + offs_m[:, None] * stride_aux_m + offs_n[None, :] * stride_aux_n, y.to(aux_ptr.dtype.element_ty), mask=mask)
+    if MUL_MODE != 0:
+        other = tl.load(other_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+        if MUL_MODE == 1:
+            y = y * other
+        else:
+            y = _activation(other, MUL_ACTIVATION) * y
+    if AUX_STAGE == 3:
+        tl.store(aux_ptr + offs_m[:, None] * stride_aux_m + offs_n[None, :] * stride_aux_n, y.to(aux_ptr.dtype.element_ty), mask=mask)
+    if HAS_RESIDUAL:
+        y += tl.load(residual_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn, mask=mask, other=0.0).to(tl.float32)
+    if AUX_STAGE == 4:
+        tl.store(aux_ptr + offs_m[:, None] * stride_aux_m + offs_n[None, :] * stride_aux_n, y.to(aux_ptr.dtype.element_ty), mask=mask)
+    if OUT_AMAX:
+        tl.atomic_max(amax_ptr, _abs_max(tl.where(mask, y, 0.0)))
+    if OUT_FP8:
+        y = _to_fp8(y * tl.load(out_scale_ptr), FP8_MAX, MANTISSA_BITS, MIN_EXPONENT)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def amax_kernel(x_ptr, amax_ptr, R, C, stride_xr, stride_xc, TILE_R: tl.constexpr, TILE_C: tl.constexpr):
+    """Tensorwise amax of a 2-D tensor (any strides): one atomic max per tile."""
+    rr = tl.program_id(0) * TILE_R + tl.arange(0, TILE_R)
+    cc = tl.program_id(1) * TILE_C + tl.arange(0, TILE_C)
+    m = (rr[:, None] < R) & (cc[None, :] < C)
+    x = tl.load(x_ptr + rr[:, None] * stride_xr + cc[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
+    tl.atomic_max(amax_ptr, _abs_max(x))
+
+
+@triton.jit
+def _amax_to_scale(amax, FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, POWER_OF_TWO: tl.constexpr):
+    """`fp8fx.scaling.amax_to_scale` in-kernel: fp64 division rounded once to fp32; 1 for 0 / inf / NaN."""
+    usable = (amax > 0.0) & (amax < float("inf"))
+    safe = tl.where(usable, amax, 1.0).to(tl.float64)
+    scale = (FP8_MAX / MARGIN_FACTOR / safe).to(tl.float32)
+    scale = tl.minimum(scale, 3.4028234663852886e38)
+    if POWER_OF_TWO:
+        bits = scale.to(tl.int32, bitcast=True) & 0x7F800000  # drop the mantissa: round down to 2**e
+        scale = bits.to(tl.float32, bitcast=True)
+    return tl.where(usable, scale, 1.0)
+
+
+@triton.jit
+def quantize_kernel(
+    x_ptr, out_ptr, scale_ptr, amax_ptr,
+    R, C,
+    stride_xr, stride_xc, stride_or, stride_oc, stride_sr, stride_sc,
+    ROW_BLOCK: tl.constexpr, COL_BLOCK: tl.constexpr, AMAX_GIVEN: tl.constexpr,
+    FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, POWER_OF_TWO: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+    TILE_R: tl.constexpr, TILE_C: tl.constexpr,
+):
+    """Saturating FP8 quantization of a 2-D tensor, one program per scale block.
+
+    The block is ROW_BLOCK x COL_BLOCK elements (0: the whole dimension, i.e. one program covers
+    it). Pass 1 takes the block's amax (skipped when AMAX_GIVEN: a tensorwise amax computed
+    beforehand by `amax_kernel` or by the producing GEMM's epilogue), pass 2 casts and stores; the
+    output strides may transpose (the column-major copies backward GEMMs want). Each program
+    stores its block's scale; a tensorwise quantization runs many programs over one given amax,
+    all storing the same scale (scale strides 0)."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    r_start = pid_r * ROW_BLOCK
+    c_start = pid_c * COL_BLOCK
+    r_end = R if ROW_BLOCK == 0 else tl.minimum(r_start + ROW_BLOCK, R)
+    c_end = C if COL_BLOCK == 0 else tl.minimum(c_start + COL_BLOCK, C)
+    offs_r = tl.arange(0, TILE_R)
+    offs_c = tl.arange(0, TILE_C)
+    if AMAX_GIVEN:
+        amax = tl.load(amax_ptr)
+    else:
+        amax = 0.0
+        for r0 in range(r_start, r_end, TILE_R):
+            for c0 in range(c_start, c_end, TILE_C):
+                rr = r0 + offs_r
+                cc = c0 + offs_c
+                m = (rr[:, None] < r_end) & (cc[None, :] < c_end)
+                x = tl.load(x_ptr + rr[:, None] * stride_xr + cc[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, _abs_max(x), propagate_nan=tl.PropagateNan.ALL)
+    scale = _amax_to_scale(amax, FP8_MAX, MARGIN_FACTOR, POWER_OF_TWO)
+    for r0 in range(r_start, r_end, TILE_R):
+        for c0 in range(c_start, c_end, TILE_C):
+            rr = r0 + offs_r
+            cc = c0 + offs_c
+            m = (rr[:, None] < r_end) & (cc[None, :] < c_end)
+            x = tl.load(x_ptr + rr[:, None] * stride_xr + cc[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
+            q = _to_fp8(x * scale, FP8_MAX, MANTISSA_BITS, MIN_EXPONENT)
+            tl.store(out_ptr + rr[:, None] * stride_or + cc[None, :] * stride_oc, q.to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(scale_ptr + pid_r * stride_sr + pid_c * stride_sc, scale)

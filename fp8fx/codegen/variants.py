@@ -1,0 +1,244 @@
+"""Kernel variants: the constexpr signature of each generated kernel, and tile configs per GPU.
+
+A variant is everything that changes the generated code (operand formats, scale granularity,
+epilogue, output dtype); sizes and strides do not. Triton caches one binary per variant and config.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from fp8fx.codegen.triton_kernels import ACTIVATIONS
+from fp8fx.formats import fp8_format_of
+
+# Where the epilogue's optional second output (`aux`) is taken: the value a backward op needs.
+AUX_STAGES = ("none", "pre_activation", "activation", "product", "sum")
+MUL_MODES = ("none", "by_other", "gated")  # y * other  |  act(other) * y
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """The elementwise chain fused after an FP8 GEMM, in the kernel's fixed order."""
+
+    bias: bool = False
+    activation: str = "none"
+    mul: str = "none"
+    mul_activation: str = "none"
+    residual: bool = False
+    aux: str = "none"
+    out_amax: bool = False
+
+    def __post_init__(self):
+        for field, value, allowed in (
+            ("activation", self.activation, ACTIVATIONS),
+            ("mul_activation", self.mul_activation, ACTIVATIONS),
+            ("mul", self.mul, MUL_MODES),
+            ("aux", self.aux, AUX_STAGES),
+        ):
+            if value not in allowed:
+                raise ValueError(f"fp8fx epilogue: {field}={value!r}; expected one of {', '.join(allowed)}")
+
+    def spec(self) -> str:
+        """Compact text form, the op argument in graphs: `bias,act=gelu,aux=pre_activation`."""
+        parts = ["bias"] if self.bias else []
+        if self.activation != "none":
+            parts.append(f"act={self.activation}")
+        if self.mul == "by_other":
+            parts.append("mul")
+        elif self.mul == "gated":
+            parts.append(f"gate={self.mul_activation}")
+        if self.residual:
+            parts.append("residual")
+        if self.aux != "none":
+            parts.append(f"aux={self.aux}")
+        if self.out_amax:
+            parts.append("amax")
+        return ",".join(parts)
+
+    @classmethod
+    def parse(cls, spec: str) -> "Epilogue":
+        fields: dict = {}
+        for part in filter(None, spec.split(",")):
+            key, _, value = part.partition("=")
+            if key == "bias":
+                fields["bias"] = True
+            elif key == "act":
+                fields["activation"] = value
+            elif key == "mul":
+                fields["mul"] = "by_other"
+            elif key == "gate":
+                fields["mul"], fields["mul_activation"] = "gated", value
+            elif key == "residual":
+                fields["residual"] = True
+            elif key == "aux":
+                fields["aux"] = value
+            elif key == "amax":
+                fields["out_amax"] = True
+            else:
+                raise ValueError(f"fp8fx epilogue spec {spec!r}: unknown part {part!r}")
+        return cls(**fields)
+
+    def ops(self) -> int:
+        """Elementwise graph ops this epilogue absorbs (each one a memory pass saved)."""
+        return sum((self.bias, self.activation != "none", self.mul != "none", self.mul == "gated" and self.mul_activation != "none", self.residual))
+
+
+_FP8_CONSTS = {  # FP8_MAX, MANTISSA_BITS, MIN_EXPONENT (of normal numbers)
+    torch.float8_e4m3fn: (448.0, 3, -6),
+    torch.float8_e5m2: (57344.0, 2, -14),
+}
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+_SHORT = {
+    torch.float8_e4m3fn: "e4m3",
+    torch.float8_e5m2: "e5m2",
+    torch.float32: "f32",
+    torch.bfloat16: "bf16",
+    torch.float16: "f16",
+}
+
+
+def fp8_constants(dtype: torch.dtype) -> tuple[float, int, int]:
+    return _FP8_CONSTS[dtype]
+
+
+@dataclass(frozen=True)
+class GemmVariant:
+    """One generated FP8 GEMM kernel: C[M, N] = epilogue(A[M, K] @ B[K, N])."""
+
+    a_dtype: torch.dtype
+    b_dtype: torch.dtype
+    block_a: tuple = ()  # scale blocks, as in fp8fx.scaling: () | (rows, k) with 0 = whole dim
+    block_b: tuple = ()
+    epilogue: Epilogue = Epilogue()
+    out_dtype: torch.dtype = torch.bfloat16
+    aux_dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self):
+        for name in ("a_dtype", "b_dtype"):
+            fp8_format_of(getattr(self, name))
+        if self.a_dtype == self.b_dtype == torch.float8_e5m2:
+            raise ValueError("FP8 GEMM with two E5M2 operands: no tensor-core instruction takes it; use format hybrid or e4m3")
+        if self.out_dtype not in _OUT_DTYPES:
+            raise ValueError(f"FP8 GEMM output dtype {self.out_dtype} is not one of {_OUT_DTYPES}")
+        for name, block in (("block_a", self.block_a), ("block_b", self.block_b)):
+            if block and (len(block) != 2 or any(b not in (0, 1) and b % 16 for b in block)):
+                raise ValueError(f"FP8 GEMM {name}={block}: blocks are () or two sizes in {{0, 1, multiples of 16}}")
+
+    @property
+    def k_block(self) -> int:
+        """Size of the K-blocks scales are promoted at (0: scales constant along K)."""
+        ks = [k for k in (self.block_a[1] if self.block_a else 0, self.block_b[0] if self.block_b else 0) if k]
+        return min(ks) if ks else 0
+
+    @property
+    def name(self) -> str:
+        def blk(b):
+            return "t" if not b else "x".join(str(v) if v else "all" for v in b)
+
+        ep = self.epilogue.spec().replace(",", "_").replace("=", "-") or "plain"
+        return f"fp8_gemm_{_SHORT[self.a_dtype]}{_SHORT[self.b_dtype]}_s{blk(self.block_a)}.{blk(self.block_b)}_{ep}_{_SHORT[self.out_dtype]}"
+
+    def constexprs(self) -> dict:
+        e = self.epilogue
+        out_fp8 = self.out_dtype in _FP8_CONSTS
+        fp8_max, mantissa, min_exp = _FP8_CONSTS[self.out_dtype] if out_fp8 else _FP8_CONSTS[torch.float8_e4m3fn]
+        a_rows, a_k = self.block_a or (0, 0)
+        b_k, b_cols = self.block_b or (0, 0)
+        return dict(
+            A_ROW_BLOCK=a_rows, A_K_BLOCK=a_k, B_K_BLOCK=b_k, B_COL_BLOCK=b_cols,
+            HAS_BIAS=e.bias, AUX_STAGE=AUX_STAGES.index(e.aux), ACTIVATION=ACTIVATIONS.index(e.activation),
+            MUL_MODE=MUL_MODES.index(e.mul), MUL_ACTIVATION=ACTIVATIONS.index(e.mul_activation),
+            HAS_RESIDUAL=e.residual, OUT_AMAX=e.out_amax, OUT_FP8=out_fp8,
+            FP8_MAX=fp8_max, MANTISSA_BITS=mantissa, MIN_EXPONENT=min_exp,
+        )
+
+    def with_epilogue(self, **changes) -> "GemmVariant":
+        return replace(self, epilogue=replace(self.epilogue, **changes))
+
+
+@dataclass(frozen=True)
+class QuantizeVariant:
+    """One generated quantize kernel: amax per block (or given), scale, saturating cast."""
+
+    in_dtype: torch.dtype
+    out_dtype: torch.dtype
+    block: tuple = ()
+    margin: int = 0
+    power_of_two: bool = False
+    amax_given: bool = False
+
+    def constexprs(self) -> dict:
+        fp8_max, mantissa, min_exp = _FP8_CONSTS[self.out_dtype]
+        return dict(
+            AMAX_GIVEN=self.amax_given, FP8_MAX=fp8_max, MARGIN_FACTOR=2.0**self.margin, POWER_OF_TWO=self.power_of_two,
+            MANTISSA_BITS=mantissa, MIN_EXPONENT=min_exp,
+        )
+
+    @property
+    def name(self) -> str:
+        blk = "t" if not self.block else "x".join(str(v) if v else "all" for v in self.block)
+        return f"quantize_{_SHORT[self.in_dtype]}_to_{_SHORT[self.out_dtype]}_s{blk}" + ("_p2" if self.power_of_two else "") + (
+            "_amaxin" if self.amax_given else ""
+        )
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+    def constexprs(self) -> dict:
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m)
+
+
+# Tile configs per architecture, largest first. Hopper/Blackwell: 128-wide tiles for wgmma /
+# tcgen05 with 8 warps (two warpgroups) and deep pipelines in 227 KB of shared memory; Ada has 99 KB
+# and mma.sync, so smaller tiles and 4 warps. BLOCK_K of 128 matches blockwise scaling's K-blocks.
+ARCH_CONFIGS: dict[str, tuple[TileConfig, ...]] = {
+    "sm_90a": (
+        TileConfig(128, 256, 128, 8, 8, 3),
+        TileConfig(128, 128, 128, 8, 8, 4),
+        TileConfig(64, 128, 128, 8, 4, 4),
+        TileConfig(64, 64, 128, 8, 4, 3),
+    ),
+    "sm_100a": (
+        TileConfig(128, 256, 128, 8, 8, 3),
+        TileConfig(128, 128, 128, 8, 8, 4),
+        TileConfig(64, 128, 128, 8, 4, 4),
+        TileConfig(64, 64, 128, 8, 4, 3),
+    ),
+    "sm_89": (
+        TileConfig(128, 128, 64, 8, 8, 3),
+        TileConfig(128, 64, 128, 8, 4, 3),
+        TileConfig(64, 128, 128, 8, 4, 3),
+        TileConfig(64, 64, 128, 8, 4, 2),
+    ),
+}
+INTERPRETER_CONFIG = TileConfig(16, 16, 32, 2, 1, 1)  # small tiles keep the CPU interpreter quick
+
+
+def arch_of(capability: tuple[int, int]) -> str:
+    major, minor = capability
+    if major == 9:
+        return "sm_90a"
+    if major == 10:
+        return "sm_100a"
+    if (major, minor) == (8, 9) or major == 12:  # Ada; consumer Blackwell uses the same mma.sync path
+        return "sm_89"
+    raise RuntimeError(f"fp8fx: GPU capability {major}.{minor} has no FP8 tensor cores (needs sm_89, sm_90 or sm_100)")
+
+
+def configs_for(arch: str, variant: GemmVariant) -> tuple[TileConfig, ...]:
+    """Configs of `arch` usable for `variant`: with K-block scales, BLOCK_K must divide the K-block."""
+    configs = ARCH_CONFIGS[arch]
+    k_block = variant.k_block
+    if k_block:
+        configs = tuple(replace(c, block_k=math.gcd(c.block_k, k_block)) for c in configs)
+    return configs

@@ -1,0 +1,147 @@
+"""The generated Triton kernels, run by Triton's interpreter on the CPU against the reference ops.
+
+Runs only with TRITON_INTERPRET=1 set before import (tests/test_kernels.py starts it that way).
+FP8 operands are made by torch, never by the interpreter's own FP8 conversion."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from fp8fx.codegen import launch
+from fp8fx.codegen.variants import Epilogue
+from fp8fx.ops import reference
+from fp8fx.scaling import amax_to_scale, block_amax
+
+pytestmark = pytest.mark.skipif(not launch.interpreter_active(), reason="needs TRITON_INTERPRET=1 before import")
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+QUANT_BLOCKS = [(), (1, 0), (0, 1), (1, 128), (128, 128), (128, 1)]
+
+
+def wide_range(shape, seed):
+    """Values over 12 binades, so both saturation-free rounding and FP8 subnormals are exercised."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g) * torch.exp2(torch.randint(-14, 4, shape, generator=g).float())
+
+
+@pytest.mark.parametrize("dtype,block,transpose", list(itertools.product((E4M3, E5M2), QUANT_BLOCKS, (False, True))))
+def test_quantize_is_bit_exact(dtype, block, transpose):
+    x = wide_range((40, 144), seed=len(block) * 7 + transpose)
+    q, scale = launch.quantize(x, dtype, block, transpose=transpose)
+    ref_scale = amax_to_scale(block_amax(x, block), torch.finfo(dtype).max)
+    ref = reference.cast(x, ref_scale, dtype, list(block))
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8))
+    assert q.stride() == ((1, 40) if transpose else (144, 1))
+
+
+@pytest.mark.parametrize("margin,power_of_two", [(0, True), (2, False), (1, True)])
+def test_quantize_scale_options(margin, power_of_two):
+    x = wide_range((64, 256), seed=3)
+    for block in ((), (1, 128)):
+        q, scale = launch.quantize(x, E4M3, block, margin=margin, power_of_two=power_of_two)
+        ref_scale = amax_to_scale(block_amax(x, block), 448.0, margin, power_of_two)
+        assert torch.equal(scale, ref_scale)
+        assert torch.equal(q.view(torch.uint8), reference.cast(x, ref_scale, E4M3, list(block)).view(torch.uint8))
+
+
+def test_quantize_given_amax_and_non_finite():
+    x = wide_range((48, 128), seed=5)
+    q, scale = launch.quantize(x, E4M3, amax=torch.tensor(2.0))
+    assert scale.item() == 224.0
+    assert q.float().abs().max().item() == 448.0  # values above the given amax saturate
+    x[3, 7] = float("nan")
+    for block in ((), (1, 128)):
+        q, scale = launch.quantize(x, E4M3, block)
+        ref_scale = amax_to_scale(block_amax(x, block), 448.0)
+        assert torch.equal(scale, ref_scale)  # a NaN amax gives scale 1, as the reference
+        # (the NaN element itself is not checked: the interpreter's FP8 conversion loses NaN)
+
+
+GEMM_BLOCKS = [((), ()), ((1, 0), (0, 1)), ((1, 128), (128, 128)), ((1, 128), (128, 1)), ((128, 128), (128, 1))]
+EPILOGUES = [
+    Epilogue(),
+    Epilogue(bias=True, activation="gelu", aux="pre_activation"),
+    Epilogue(activation="gelu_tanh", out_amax=True),
+    Epilogue(activation="relu", aux="activation", residual=True),
+    Epilogue(activation="silu", mul="by_other", aux="product"),
+    Epilogue(mul="gated", mul_activation="silu", aux="pre_activation", out_amax=True),
+    Epilogue(bias=True, residual=True, aux="sum", out_amax=True),
+]
+
+
+def fp8_operand(shape, dtype, block, seed, column_major=False):
+    x = wide_range(shape, seed).clamp(-8, 8)
+    scale = amax_to_scale(block_amax(x, block), torch.finfo(dtype).max)
+    q = reference.cast(x, scale, dtype, list(block))
+    if column_major:
+        q = q.t().contiguous().t()
+    return q, scale.reciprocal()
+
+
+UNIT = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10, E4M3: 2**-3}
+
+
+def close_as(out, ref):
+    """Equal up to accumulation order: within one unit of the output format's last place, plus a
+    small absolute term for cancellation (the kernel sums K in tiles, the reference in one GEMM)."""
+    ref = ref.float()
+    atol = 1e-5 * ref.abs().max().item() + (2**-9 if out.dtype == E4M3 else 0.0)
+    torch.testing.assert_close(out.float(), ref, rtol=UNIT[out.dtype], atol=atol)
+
+
+CASES = [
+    (blocks, ep, out_dtype, formats)
+    for (blocks, ep), out_dtype, formats in zip(
+        itertools.product(GEMM_BLOCKS, EPILOGUES),
+        itertools.cycle((torch.float32, torch.bfloat16, torch.float16, E4M3)),
+        itertools.cycle(((E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2))),
+    )
+]
+
+
+@pytest.mark.parametrize("blocks,epilogue,out_dtype,formats", CASES, ids=lambda v: getattr(v, "spec", lambda: str(v))() or "plain")
+def test_gemm_variant_matches_reference(blocks, epilogue, out_dtype, formats):
+    m, n, k = 40, 144, 256  # partial tiles in M and N, two 128-K-blocks
+    (block_a, block_b), seed = blocks, hash((blocks, epilogue.spec())) % 1000
+    a, sa = fp8_operand((m, k), formats[0], block_a, seed)
+    b, sb = fp8_operand((k, n), formats[1], block_b, seed + 1, column_major=True)
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16) if epilogue.bias else None
+    other = torch.randn(m, n, generator=g) if epilogue.mul != "none" else None
+    residual = torch.randn(m, n, generator=g).to(torch.bfloat16) if epilogue.residual else None
+    out_scale = torch.tensor(3.0) if out_dtype == E4M3 else None
+    out, aux, amax = launch.fp8_gemm(
+        a, b, sa, sb, block_a=block_a, block_b=block_b, epilogue=epilogue, bias=bias, other=other, residual=residual,
+        out_scale=out_scale, out_dtype=out_dtype, aux_dtype=torch.float32,
+    )  # fmt: skip
+    ref_out, ref_aux, ref_amax = reference.fp8_gemm(
+        a, b, sa, sb, bias, other, residual, out_scale, out_dtype, torch.float32, list(block_a), list(block_b), epilogue.spec()
+    )
+    close_as(out, ref_out)
+    if epilogue.aux != "none":
+        close_as(aux, ref_aux)
+    else:
+        assert aux is None
+    if epilogue.out_amax:
+        torch.testing.assert_close(amax, ref_amax, rtol=1e-6, atol=0)
+    else:
+        assert amax is None
+
+
+def test_gemm_rejects_bad_arguments():
+    a, sa = fp8_operand((32, 64), E4M3, (), 1)
+    b, sb = fp8_operand((64, 32), E4M3, (), 2, column_major=True)
+    with pytest.raises(ValueError, match="K-contiguous"):
+        launch.fp8_gemm(a, b.contiguous(), sa, sb)
+    with pytest.raises(ValueError, match="cannot|2-D"):
+        launch.fp8_gemm(a, b[:32], sa, sb)
+    with pytest.raises(ValueError, match="needs bias"):
+        launch.fp8_gemm(a, b, sa, sb, epilogue=Epilogue(bias=True))
+    with pytest.raises(ValueError, match="scale_inv_a must be fp32 of shape"):
+        launch.fp8_gemm(a, b, sa.reshape(1, 1), sb, block_a=(1, 0))
+    with pytest.raises(ValueError, match="two E5M2"):
+        launch.fp8_gemm(a.to(torch.float32).to(E5M2), b.float().to(E5M2).t().contiguous().t(), sa, sb)
