@@ -113,17 +113,18 @@ def fp8_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    # Rows / columns past the edge load a valid row instead (their results are never stored): the
+    # loads then need no M / N mask, which keeps them pipelined.
+    a_ptrs = a_ptr + (offs_m % M)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + (offs_n % N)[None, :] * stride_bn
 
     # Scales along K (blockwise recipes) promote each K-block's partial product to the fp32
     # accumulator with its own scales; otherwise the scales are applied once after the loop.
     PER_K_SCALES: tl.constexpr = A_K_BLOCK != 0 or B_K_BLOCK != 0
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_mask = offs_k[None, :] < K - k0
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & k_mask, other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_k[:, None] < K - k0) & mask_n[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
         if PER_K_SCALES:
             rows_a, ka = _scale_index(offs_m, k0, A_ROW_BLOCK, A_K_BLOCK)
             cols_b, kb = _scale_index(offs_n, k0, B_COL_BLOCK, B_K_BLOCK)

@@ -1,0 +1,128 @@
+"""Build the generated kernels for real GPUs without one: PTX and SASS for sm_89, sm_90a, sm_100a.
+
+Triton compiles for any target on the CPU (it ships ptxas). For each variant and tile config this
+module compiles the kernel, then reads what a GPU engineer would check: the FP8 tensor-core
+instruction in the PTX (`mma ... e4m3` on Ada, `wgmma.mma_async ... e4m3` on Hopper,
+`tcgen05.mma ... f8f6f4` on Blackwell), register use and spills from ptxas, and shared memory
+against the architecture's per-block limit.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from fp8fx.codegen.triton_kernels import fp8_gemm_kernel, quantize_kernel
+from fp8fx.codegen.variants import ARCH_CONFIGS, GemmVariant, QuantizeVariant, TileConfig
+
+CAPABILITY = {"sm_89": 89, "sm_90a": 90, "sm_100a": 100}
+SHARED_MEMORY_LIMIT = {"sm_89": 101376, "sm_90a": 232448, "sm_100a": 232448}  # bytes per block (opt-in max)
+# The FP8 tensor-core instruction each architecture must use.
+FP8_MMA = {
+    "sm_89": re.compile(r"mma\.sync\.aligned\.\S*\.e[45]m[23]\.e[45]m[23]"),
+    "sm_90a": re.compile(r"wgmma\.mma_async\.\S*\.e[45]m[23]\.e[45]m[23]"),
+    "sm_100a": re.compile(r"tcgen05\.mma\.\S*kind::f8f6f4"),
+}
+_PTR = {
+    torch.float8_e4m3fn: "*fp8e4nv",
+    torch.float8_e5m2: "*fp8e5",
+    torch.float32: "*fp32",
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+}
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    kernel: str
+    arch: str
+    config: str
+    fp8_mma: str | None  # the first FP8 tensor-core instruction found in the PTX
+    registers: int
+    spill_bytes: int  # spill stores + loads, from ptxas
+    shared_bytes: int
+    shared_limit: int
+
+    @property
+    def ok(self) -> bool:
+        return self.spill_bytes == 0 and self.shared_bytes <= self.shared_limit
+
+
+def _ptxas_report(ptx: str, arch: str) -> tuple[int, int]:
+    """(registers, spill bytes) of the kernel, from `ptxas -v`."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        cmd = [get_ptxas(CAPABILITY[arch]).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={arch}", str(src), "-o", str(Path(d) / "k.cubin")]
+        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    return registers, spills
+
+
+def _compile(fn, signature: dict, constexprs: dict, arch: str, num_warps: int, num_stages: int, aligned: tuple = ()):
+    # Pointers, and the sizes and strides the launcher guarantees to be multiples of 16, carry
+    # Triton's divisibility hint, as Triton's launcher specialises them at run time.
+    attrs = {
+        (fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in signature.items() if ty.startswith("*") or name in aligned
+    }
+    src = ASTSource(fn, signature, constexprs, attrs)
+    options = dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True)
+    return triton.compile(src, target=GPUTarget("cuda", CAPABILITY[arch], 32), options=options)
+
+
+def _signature(fn, pointers: dict, constexprs: dict) -> dict:
+    return {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
+
+
+def build_gemm(variant: GemmVariant, arch: str, config: TileConfig) -> BuildResult:
+    # The launcher's layout: K-contiguous operands and row-major outputs (unit strides specialised).
+    constexprs = {**variant.constexprs(), **config.constexprs(), "stride_ak": 1, "stride_bk": 1, "stride_on": 1}
+    pointers = dict(a_ptr=_PTR[variant.a_dtype], b_ptr=_PTR[variant.b_dtype], out_ptr=_PTR[variant.out_dtype], aux_ptr=_PTR[variant.aux_dtype])
+    for name in ("scale_a_ptr", "scale_b_ptr", "out_scale_ptr", "amax_ptr", "other_ptr"):
+        pointers[name] = "*fp32"
+    pointers["bias_ptr"] = pointers["residual_ptr"] = "*bf16"
+    aligned = ("N", "K", "stride_am", "stride_bn", "stride_om", "stride_xm", "stride_rm", "stride_aux_m")  # N, K % 16: the policy's rule
+    signature = _signature(fp8_gemm_kernel, pointers, constexprs)
+    kernel = _compile(fp8_gemm_kernel, signature, constexprs, arch, config.num_warps, config.num_stages, aligned)
+    return _result(variant.name, arch, config, kernel, FP8_MMA[arch])
+
+
+def build_quantize(variant: QuantizeVariant, arch: str) -> BuildResult:
+    b0, b1 = variant.block or (32, 128)
+    config = TileConfig(1 if b0 == 1 else 32, 1, 1 if b1 == 1 else 128, 1, 4, 1)  # (tile_r, -, tile_c): see launch.quantize
+    constexprs = {
+        **variant.constexprs(), "ROW_BLOCK": b0, "COL_BLOCK": b1, "TILE_R": config.block_m, "TILE_C": config.block_k, "stride_xc": 1,
+    }  # fmt: skip
+    pointers = dict(x_ptr=_PTR[variant.in_dtype], out_ptr=_PTR[variant.out_dtype], scale_ptr="*fp32", amax_ptr="*fp32")
+    signature = _signature(quantize_kernel, pointers, constexprs)
+    kernel = _compile(quantize_kernel, signature, constexprs, arch, 4, 1, aligned=("C", "stride_xr", "stride_or"))
+    return _result(variant.name, arch, config, kernel, None)
+
+
+def _result(name: str, arch: str, config: TileConfig, kernel, mma: re.Pattern | None) -> BuildResult:
+    ptx = kernel.asm["ptx"]
+    found = mma.search(ptx) if mma is not None else None
+    registers, spills = _ptxas_report(ptx, arch)
+    cfg = f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages}"
+    return BuildResult(name, arch, cfg, found.group(0) if found else None, registers, spills, kernel.metadata.shared, SHARED_MEMORY_LIMIT[arch])
+
+
+def largest_config(arch: str, variant: GemmVariant) -> TileConfig:
+    """The config that stresses registers and shared memory most: the one every variant must fit."""
+    from fp8fx.codegen.variants import configs_for
+
+    return configs_for(arch, variant)[0]
+
+
+__all__ = ["ARCH_CONFIGS", "BuildResult", "build_gemm", "build_quantize", "largest_config"]
