@@ -51,12 +51,26 @@ def _graph_kind(gm: fx.GraphModule) -> str:
     return "training" if is_joint else "inference"
 
 
+KERNELS = ("auto", "triton", "scaled_mm")
+
+
 class Fp8fxBackend:
     """A `torch.compile` backend that runs matmuls in FP8 by policy and records every decision."""
 
-    def __init__(self, policy: Policy | str | Path | None = None, inner: str = "inductor", keep_graphs: bool = False):
+    def __init__(
+        self,
+        policy: Policy | str | Path | None = None,
+        inner: str = "inductor",
+        keep_graphs: bool = False,
+        fuse_epilogues: bool = True,
+        kernels: str = "auto",
+    ):
         if inner not in INNER_COMPILERS:
             raise ValueError(f"fp8fx.backend: inner must be one of {', '.join(INNER_COMPILERS)}, got {inner!r}")
+        if kernels not in KERNELS:
+            raise ValueError(f"fp8fx.backend: kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
+        self.fuse_epilogues = fuse_epilogues
+        self.kernels = kernels
         if policy is None:
             policy = Policy()
         elif isinstance(policy, (str, Path)):
@@ -129,7 +143,7 @@ class Fp8fxBackend:
 
         `state_keys` name the delayed-scaling states passed as the graph's last inputs."""
         kind = _graph_kind(gm)
-        ctx = PassContext(self.policy)
+        ctx = PassContext(self.policy, fuse_epilogues=self.fuse_epilogues, kernels=self.kernels)
         if state_keys:
             inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and not str(n.target).startswith("tangents")]
             tail = inputs[len(inputs) - len(BUFFERS) * len(state_keys) :]
@@ -224,9 +238,20 @@ class _InductorJointPass(CustomGraphPass):
 DEFAULT_BACKEND = Fp8fxBackend()  # what `backend="fp8fx"` resolves to (entry point)
 
 
-def backend(policy: Policy | str | Path | None = None, inner: str = "inductor", keep_graphs: bool = False) -> Fp8fxBackend:
-    """A configured backend: `torch.compile(model, backend=fp8fx.backend(policy="p.yaml"))`."""
-    return Fp8fxBackend(policy=policy, inner=inner, keep_graphs=keep_graphs)
+def backend(
+    policy: Policy | str | Path | None = None,
+    inner: str = "inductor",
+    keep_graphs: bool = False,
+    fuse_epilogues: bool = True,
+    kernels: str = "auto",
+) -> Fp8fxBackend:
+    """A configured backend: `torch.compile(model, backend=fp8fx.backend(policy="p.yaml"))`.
+
+    `fuse_epilogues` fuses each FP8 GEMM's elementwise neighbours into it. `kernels` picks what
+    runs FP8 GEMMs on CUDA: "auto" / "triton" (the generated Triton kernels) or "scaled_mm"
+    (torch._scaled_mm, then the epilogue in torch). CPU tensors run the exact reference, except
+    with "triton" under Triton's interpreter (TRITON_INTERPRET=1), for debugging the kernels."""
+    return Fp8fxBackend(policy=policy, inner=inner, keep_graphs=keep_graphs, fuse_epilogues=fuse_epilogues, kernels=kernels)
 
 
 def _find_backend(compiled: Any) -> Fp8fxBackend | None:

@@ -10,6 +10,7 @@ from torch import fx, nn
 import fp8fx
 
 SCALED_MM = torch.ops.fp8fx.scaled_mm.default
+FP8_GEMM = torch.ops.fp8fx.fp8_gemm.default  # an FP8 GEMM with its fused epilogue
 
 
 def sqnr(actual: torch.Tensor, reference: torch.Tensor) -> float:
@@ -46,7 +47,8 @@ class Captured:
         return [g for kind, g in self.backend.kept_graphs if kind == "backward"]
 
     def scaled_mm_nodes(self) -> int:
-        return sum(count(g, SCALED_MM) for g in self.forward + self.backward)
+        """FP8 GEMM nodes, fused (fp8_gemm) or not (scaled_mm: batched GEMMs)."""
+        return sum(count(g, SCALED_MM) + count(g, FP8_GEMM) for g in self.forward + self.backward)
 
 
 def compile_captured(model: nn.Module, policy: fp8fx.Policy | None = None, **compile_kwargs) -> Captured:

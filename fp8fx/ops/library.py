@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
+from fp8fx.codegen.dispatch import fp8_gemm_cuda
 from fp8fx.codegen.scaled_mm_cuda import scaled_mm_cuda
 from fp8fx.ops import reference
 from fp8fx.scaling import scale_shape
@@ -23,6 +24,8 @@ amax_to_scale = custom_op("fp8fx::amax_to_scale", reference.amax_to_scale, mutat
 cast = custom_op("fp8fx::cast", reference.cast, mutates_args=())
 scaled_mm = custom_op("fp8fx::scaled_mm", reference.scaled_mm, mutates_args=())
 scaled_mm.register_kernel("cuda")(scaled_mm_cuda)
+fp8_gemm = custom_op("fp8fx::fp8_gemm", reference.fp8_gemm, mutates_args=())
+fp8_gemm.register_kernel("cuda")(fp8_gemm_cuda)
 delayed_scale_update = custom_op("fp8fx::delayed_scale_update", reference.delayed_scale_update, mutates_args=())
 
 
@@ -50,3 +53,15 @@ def _(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, block_a, block_b) -> Tens
 @delayed_scale_update.register_fake
 def _(amax_history, scale, steps, non_finite, amax, fp8_max, margin, power_of_two, most_recent, interval):
     return torch.empty_like(amax_history), torch.empty_like(scale), torch.empty_like(steps), torch.empty_like(non_finite)
+
+
+@fp8_gemm.register_fake
+def _(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, kernel):
+    from fp8fx.codegen.variants import Epilogue
+
+    reference.check_scaled_mm_args(a, b, scale_inv_a, scale_inv_b, block_a, block_b)
+    ep = Epilogue.parse(epilogue)
+    shape = (*a.shape[:-1], b.shape[-1])
+    aux = a.new_empty(shape if ep.aux != "none" else (0,), dtype=aux_dtype)
+    amax = a.new_empty(() if ep.out_amax else (0,), dtype=torch.float32)
+    return a.new_empty(shape, dtype=out_dtype), aux, amax

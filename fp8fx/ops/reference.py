@@ -157,16 +157,27 @@ def fp8_gemm(
     block_a: list[int],
     block_b: list[int],
     epilogue: str,
+    kernel: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """FP8 GEMM with a fused epilogue (see `fp8fx.codegen.triton_kernels` for the order).
 
     `epilogue` is an `Epilogue.spec()` string. Everything after the GEMM runs in fp32 and is rounded
     once, to `out_dtype` (FP8: saturating cast of `y * out_scale`). Returns (out, aux, amax); aux
-    and amax are empty tensors when the epilogue does not make them."""
+    and amax are empty tensors when the epilogue does not make them. `kernel="triton"` runs the
+    generated kernel instead (on CPU tensors: under Triton's interpreter, for debugging)."""
     from fp8fx.codegen.variants import Epilogue  # the spec's parser; codegen imports no reference code
 
     ep = Epilogue.parse(epilogue)
+    if kernel == "triton":
+        from fp8fx.codegen.dispatch import fp8_gemm_triton
+
+        return fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, ep)
     y = scaled_mm(a, b, scale_inv_a, scale_inv_b, None, torch.float32, block_a, block_b)
+    return fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_dtype, ep)
+
+
+def fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_dtype, ep) -> tuple[Tensor, Tensor, Tensor]:
+    """The epilogue of `fp8_gemm` on the dequantized fp32 product `y`, in the kernel's order."""
     stages = {}
     if ep.bias:
         y = y + bias
@@ -181,7 +192,7 @@ def fp8_gemm(
     if ep.residual:
         y = y + residual
     stages["sum"] = y
-    aux = stages[ep.aux].to(aux_dtype) if ep.aux != "none" else y.new_empty(0, dtype=aux_dtype)
+    aux = stages[ep.aux].to(aux_dtype, copy=True) if ep.aux != "none" else y.new_empty(0, dtype=aux_dtype)
     amax = scaling.tensor_amax(y) if ep.out_amax else y.new_empty(0)
     if out_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         out = saturating_cast(y * out_scale, fp8_format_of(out_dtype))

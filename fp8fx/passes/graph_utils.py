@@ -55,6 +55,10 @@ class PassContext:
     # (planning a compile) the casts are made with dynamic scales and only the keys are recorded.
     delayed_states: dict[str, int] = field(default_factory=dict)
     state_inputs: dict[str, tuple] | None = None
+    # Code generation: fuse elementwise neighbours into the GEMMs, and which kernels run them on
+    # CUDA ("auto" / "triton": generated Triton kernels; "scaled_mm": torch._scaled_mm).
+    fuse_epilogues: bool = True
+    kernels: str = "auto"
 
 
 def _is_dtype_cast(node: fx.Node) -> bool:

@@ -8,6 +8,7 @@ from torch import fx
 
 from fp8fx.passes.assign_precision import assign_precision
 from fp8fx.passes.find_matmuls import find_matmuls
+from fp8fx.passes.fuse_epilogues import fuse_epilogues
 from fp8fx.passes.graph_utils import PassContext, PassResult
 from fp8fx.passes.insert_casts import insert_casts
 from fp8fx.passes.verify import verify
@@ -15,7 +16,7 @@ from fp8fx.passes.verify import verify
 Pass = Callable[[fx.GraphModule, PassContext], PassResult]
 
 ANALYSIS_PASSES: tuple[Pass, ...] = (find_matmuls, assign_precision)
-REWRITE_PASSES: tuple[Pass, ...] = (*ANALYSIS_PASSES, insert_casts, verify)
+REWRITE_PASSES: tuple[Pass, ...] = (*ANALYSIS_PASSES, insert_casts, fuse_epilogues, verify)
 PLANNING_PASSES: tuple[Pass, ...] = (*ANALYSIS_PASSES, insert_casts)  # to learn the delayed-scaling states
 
 

@@ -16,15 +16,17 @@ class VerifyError(RuntimeError):
 
 def verify(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     gm.graph.lint()
-    scaled = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.fp8fx.scaled_mm.default]
+    gemm_ops = (torch.ops.fp8fx.scaled_mm.default, torch.ops.fp8fx.fp8_gemm.default)
+    scaled = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in gemm_ops]
     n_fp8 = sum(d.fp8 for d in ctx.decisions.values())
     if len(scaled) != n_fp8:
-        raise VerifyError(f"{len(scaled)} fp8fx::scaled_mm nodes in the graph but {n_fp8} FP8 decisions")
+        raise VerifyError(f"{len(scaled)} FP8 GEMM nodes in the graph but {n_fp8} FP8 decisions")
     for node in gm.graph.nodes:
         if "val" not in node.meta and node.op not in ("output",):
             raise VerifyError(f"node without meta['val']: {node.format_node()}")
     for node in scaled:
-        a, b, sa, sb, _bias, _out_dtype, block_a, block_b = node.args
+        a, b, sa, sb = node.args[:4]
+        block_a, block_b = (node.args[6], node.args[7]) if node.target is gemm_ops[0] else (node.args[10], node.args[11])
         for x, s, block in ((a, sa, block_a), (b, sb, block_b)):
             try:
                 fp8_format_of(x.meta["val"].dtype)

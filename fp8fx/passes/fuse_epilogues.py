@@ -1,0 +1,237 @@
+"""fuse_epilogues: absorb the elementwise chain after each FP8 GEMM into one `fp8fx::fp8_gemm` node.
+
+Walking forward from each `fp8fx::scaled_mm`, through reshapes that keep the last dimension
+(elementwise ops commute with them), the pass takes, in the kernel's order: a bias add, an
+activation (relu, gelu, gelu tanh, silu), a product with another tensor (`silu(gate) * up`
+fuses as such, with the activation on either side), a residual add, and dtype casts. A value in the
+middle of the chain that something else still needs (backward, typically) is stored as the
+kernel's `aux` output; a second such value ends the chain there. A tensorwise `fp8fx::amax` of the
+chain's result (the next layer's dynamic scale) is computed by the epilogue too.
+
+Every 2-D FP8 GEMM becomes an `fp8_gemm` node, with or without epilogue, and its record says what
+was fused and why the chain stopped.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import fx
+
+from fp8fx.codegen.variants import Epilogue, GemmVariant
+from fp8fx.passes.graph_utils import DTYPE_CASTS, META_KEY, PassContext, PassResult, add_node, fake_mode_of
+
+aten = torch.ops.aten
+fp8fx_ops = torch.ops.fp8fx
+
+RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+ACTIVATIONS = {aten.relu.default: "relu", aten.silu.default: "silu", aten.gelu.default: "gelu"}
+STAGE_AFTER = {"bias": "pre_activation", "activation": "activation", "mul": "product", "residual": "sum"}
+
+
+@dataclass
+class _Chain:
+    """The longest fusable chain found from one GEMM; truncated from the end until it fits."""
+
+    steps: list = field(default_factory=list)  # (kind, node, extra) in order
+    stop: str = "nothing after the GEMM to fuse"
+
+
+def _shape(node) -> tuple:
+    return tuple(node.meta["val"].shape)
+
+
+def _activation_name(node: fx.Node) -> str | None:
+    if node.op != "call_function" or node.target not in ACTIVATIONS:
+        return None
+    name = ACTIVATIONS[node.target]
+    if name == "gelu" and node.kwargs.get("approximate", "none") == "tanh":
+        return "gelu_tanh"
+    return name
+
+
+def _other_operand(node: fx.Node, current: fx.Node):
+    args = [a for a in node.args if a is not current]
+    return args[0] if len(args) == 1 and isinstance(args[0], fx.Node) else None
+
+
+def _walk(gemm: fx.Node) -> _Chain:
+    """Follow the chain of single elementwise consumers from `gemm` (no graph changes)."""
+    chain = _Chain()
+    current, seen = gemm, set()
+    n = _shape(gemm)[-1]
+    while True:
+        users = list(current.users)
+        step = None
+        for u in users:
+            if u.op != "call_function":
+                continue
+            if u.target in RESHAPES and _shape(u)[-1] == n:
+                step = ("reshape", u, None)
+            elif u.target in DTYPE_CASTS and u.meta["val"].dtype in (torch.float32, torch.bfloat16, torch.float16):
+                step = ("cast", u, None)
+            elif _activation_name(u) and "activation" not in seen and "mul" not in seen and "residual" not in seen:
+                step = ("activation", u, _activation_name(u))
+            elif u.target == aten.add.Tensor and len(u.args) == 2 and u.kwargs.get("alpha", 1) == 1:
+                other = _other_operand(u, current)
+                if other is None or other.meta["val"].dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    continue
+                if _shape(other) == (n,) and not seen & {"bias", "activation", "mul", "residual"}:
+                    step = ("bias", u, other)
+                elif _shape(other) == _shape(current) and "residual" not in seen:
+                    step = ("residual", u, other)
+            elif u.target == aten.mul.Tensor and len(u.args) == 2 and not seen & {"mul", "residual"}:
+                other = _other_operand(u, current)
+                if other is not None and _shape(other) == _shape(current) and other.meta["val"].dtype.is_floating_point:
+                    step = ("mul", u, other)
+            if step is not None:
+                break
+        if step is None:
+            kinds = sorted({str(u.target) for u in users if u.op == "call_function"})
+            if chain.steps or users:
+                chain.stop = f"stops before {', '.join(kinds) or 'the graph output'}" if users else "result unused"
+            return chain
+        kind, node, _ = step
+        chain.steps.append(step)
+        if kind not in ("reshape", "cast"):
+            seen.add(kind)
+        current = node
+
+
+class _Fuser:
+    def __init__(self, gm: fx.GraphModule, kernel: str):
+        self.graph = gm.graph
+        self.fake_mode = fake_mode_of(self.graph)
+        self.kernel = kernel
+        self.order = {}
+        self.absorbed: set[fx.Node] = set()
+        self._renumber()
+
+    def _renumber(self):
+        self.order = {node: i for i, node in enumerate(self.graph.nodes)}
+
+    def add(self, target, args, tag_from):
+        return add_node(self.graph, self.fake_mode, target, args, tag_from=tag_from)
+
+    def plan(self, gemm: fx.Node, steps: list):
+        """(epilogue, inputs, final node, aux node, amax users, absorbed nodes) for `steps`, or None."""
+        bias = gemm.args[4]
+        ep = Epilogue(bias=bias is not None)
+        inputs = dict(bias=bias, other=None, residual=None)
+        has_bias_step = any(kind == "bias" for kind, _, _ in steps)
+        stage_of = {gemm: "pre_bias" if has_bias_step else "pre_activation"}  # the value each node holds
+        final, absorbed = gemm, []
+        for kind, node, extra in steps:
+            if kind == "bias":
+                ep, inputs["bias"] = replace(ep, bias=True), extra
+            elif kind == "activation":
+                ep = replace(ep, activation=extra)
+            elif kind == "mul":
+                act = _activation_name(extra)
+                if act and len(extra.users) == 1 and _shape(extra.args[0]) == _shape(extra):
+                    ep, inputs["other"] = replace(ep, mul="gated", mul_activation=act), extra.args[0]
+                    absorbed.append(extra)  # silu(gate) * up: the activation runs on the loaded tensor
+                else:
+                    ep, inputs["other"] = replace(ep, mul="by_other"), extra
+            elif kind == "residual":
+                ep, inputs["residual"] = replace(ep, residual=True), extra
+            stage_of[node] = STAGE_AFTER.get(kind, stage_of[final])
+            absorbed.append(node)
+            final = node
+        # Values inside the chain that other nodes still use: at most one, stored as aux.
+        needed = [n for n in stage_of if n is not final and any(u not in absorbed for u in n.users)]
+        if len(needed) > 1 or (needed and stage_of[needed[0]] == "pre_bias"):
+            return None
+        aux_node = needed[0] if needed else None
+        if aux_node is not None:
+            ep = replace(ep, aux=stage_of[aux_node])
+        amax_users = [u for u in final.users if u.target == fp8fx_ops.amax.default and list(u.args[1]) == []]
+        if amax_users:
+            ep = replace(ep, out_amax=True)
+        return ep, inputs, final, aux_node, amax_users, absorbed
+
+    def fuse(self, gemm: fx.Node) -> None:
+        chain = _walk(gemm)
+        meta = gemm.meta[META_KEY]
+        full = len(chain.steps)
+        for length in range(full, -1, -1):
+            steps = chain.steps[:length]
+            if steps and steps[-1][0] in ("reshape", "cast") and length != full:
+                continue
+            planned = self.plan(gemm, steps)
+            if planned is None:
+                continue
+            if self.place(gemm, *planned):
+                meta["fusion_stop"] = chain.stop if length == full else f"{chain.steps[length][1].name} could not join ({chain.stop})"
+                return
+        raise AssertionError("an FP8 GEMM without epilogue can always be placed")
+
+    def place(self, gemm, ep: Epilogue, inputs, final, aux_node, amax_users, absorbed) -> bool:
+        a, b, sa, sb, _bias, _out_dtype, block_a, block_b = gemm.args
+        m, n = _shape(gemm)
+        consumers = [u for u in final.users] + ([u for u in aux_node.users if u not in absorbed] if aux_node is not None else [])
+        at = min(consumers, key=self.order.__getitem__) if consumers else final.next
+        # Inputs must exist before the fused node; 2-D views of n-D operands are made here.
+        for key in ("other", "residual"):
+            t = inputs[key]
+            if t is None:
+                continue
+            if self.order[t] >= self.order[at]:
+                return False
+            if not t.meta["val"].is_contiguous():
+                return False
+        if inputs["bias"] is not None and self.order[inputs["bias"]] >= self.order[at]:
+            return False
+        out_val = final.meta["val"]
+        aux_dtype = aux_node.meta["val"].dtype if aux_node is not None else out_val.dtype
+        with self.graph.inserting_before(at):
+            flat = {}
+            for key in ("other", "residual"):
+                t = inputs[key]
+                flat[key] = t if t is None or _shape(t) == (m, n) else self.add(aten.view.default, (t, [m, n]), tag_from=gemm)
+            args = (a, b, sa, sb, inputs["bias"], flat["other"], flat["residual"], None, out_val.dtype, aux_dtype,
+                    list(block_a), list(block_b), ep.spec(), self.kernel)  # fmt: skip
+            fused = self.add(fp8fx_ops.fp8_gemm.default, args, tag_from=gemm)
+            outs = [self.add(operator.getitem, (fused, i), tag_from=gemm) for i in range(3)]
+            out = outs[0] if _shape(final) == (m, n) else self.add(aten.view.default, (outs[0], list(_shape(final))), tag_from=gemm)
+            aux = None
+            if aux_node is not None:
+                aux = outs[1] if _shape(aux_node) == (m, n) else self.add(aten.view.default, (outs[1], list(_shape(aux_node))), tag_from=gemm)
+        for key in ("seq_nr", "autograd_backward", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack", META_KEY):
+            if key in gemm.meta:
+                fused.meta[key] = gemm.meta[key]
+        fused.meta[META_KEY] = dict(gemm.meta[META_KEY], fused=[n.name for n in absorbed], epilogue=ep)
+        for u in amax_users:
+            u.replace_all_uses_with(outs[2])
+        final.replace_all_uses_with(out)
+        if aux is not None:
+            for u in list(aux_node.users):
+                if u not in absorbed:
+                    u.replace_input_with(aux_node, aux)
+        for node in reversed([*amax_users, *absorbed]):
+            if not node.users:
+                self.graph.erase_node(node)
+        if not gemm.users:
+            self.graph.erase_node(gemm)
+        variant = GemmVariant(a.meta["val"].dtype, b.meta["val"].dtype, tuple(block_a), tuple(block_b), ep, out_val.dtype, aux_dtype)
+        fused.meta[META_KEY]["kernel"] = variant.name
+        self._renumber()
+        return True
+
+
+def fuse_epilogues(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    gemms = [n for n in gm.graph.nodes if n.target == fp8fx_ops.scaled_mm.default and n.meta["val"].dim() == 2]
+    for n in gm.graph.nodes:
+        if n.target == fp8fx_ops.scaled_mm.default and n.meta["val"].dim() != 2:
+            n.meta[META_KEY]["fusion_stop"] = "batched GEMMs run unfused (torch's scaled-mm path)"
+    if not ctx.fuse_epilogues or not gemms:
+        return PassResult(gm, modified=False)
+    fuser = _Fuser(gm, ctx.kernels)
+    for gemm in gemms:
+        fuser.fuse(gemm)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return PassResult(gm, modified=True)
