@@ -46,6 +46,14 @@ class OpRecord:
     amax_compute_algo: str | None
     interval: int | None
     state_keys: tuple[str | None, str | None] | None  # the states the operands' scales come from
+    # Code generation: the generated kernel, the fused epilogue (fp8fx.codegen.variants.Epilogue
+    # spec), why fusion stopped where it did, and full-tensor memory passes FP8 adds over BF16
+    # (amax, cast, transposing copies) and the epilogue saves (each fused elementwise op / amax).
+    kernel: str | None = None
+    epilogue: str | None = None
+    fusion: str | None = None
+    memory_passes_added: int | None = None
+    memory_passes_saved: int | None = None
     # Delayed scaling, read from the model when the report is made:
     scale: tuple[float, float] | None = None  # x_fp8 = saturate(x * scale)
     scale_inv: tuple[float, float] | None = None  # x ~= x_fp8 * scale_inv
@@ -58,6 +66,7 @@ class OpRecord:
     @classmethod
     def make(cls, graph: int, graph_kind: str, site: MatmulSite, gemm: Gemm, decision: Decision) -> OpRecord:
         delayed = decision.delayed if decision.fp8 else None
+        meta = gemm.node.meta.get(META_KEY, {})
         return cls(
             graph=graph,
             graph_kind=graph_kind,
@@ -84,7 +93,12 @@ class OpRecord:
             amax_history_len=delayed.history_len if delayed else None,
             amax_compute_algo=delayed.algo.value if delayed else None,
             interval=delayed.interval if delayed else None,
-            state_keys=gemm.node.meta.get(META_KEY, {}).get("state_keys") if decision.fp8 else None,
+            state_keys=meta.get("state_keys") if decision.fp8 else None,
+            kernel=meta["variant"].name if "variant" in meta else None,
+            epilogue=meta["epilogue"].spec() if "epilogue" in meta else None,
+            fusion=meta.get("fusion_stop"),
+            memory_passes_added=meta["memory_passes"][0] if "memory_passes" in meta else None,
+            memory_passes_saved=meta["memory_passes"][1] if "memory_passes" in meta else None,
         )
 
     def with_state(self, state) -> OpRecord:  # noqa: ANN001 - fp8fx.state.Fp8State
@@ -145,6 +159,9 @@ class Report:
             "fp8_flop_share_forward": share([op for op in self.ops if not op.backward]),
             "fp8_flop_share_backward": share([op for op in self.ops if op.backward]),
             "fallbacks_by_reason": dict(Counter(op.reason_kind for op in self.high_ops)),
+            "fused_epilogues": sum(bool(op.epilogue) for op in self.fp8_ops),
+            "memory_passes_added": sum(op.memory_passes_added or 0 for op in self.fp8_ops),
+            "memory_passes_saved": sum(op.memory_passes_saved or 0 for op in self.fp8_ops),
             "non_finite_amax_events": {op.site + "." + op.role: op.non_finite for op in self.ops if op.non_finite and any(op.non_finite)},
         }
 
@@ -159,7 +176,7 @@ class Report:
     def table(self) -> str:
         """A fixed-width table, one row per GEMM, then the summary."""
         total = sum(op.flops for op in self.ops) or 1
-        header = ("graph", "site", "op", "role", "M", "N", "K", "FLOP %", "prec", "formats", "scaling", "reason")
+        header = ("graph", "site", "op", "role", "M", "N", "K", "FLOP %", "prec", "formats", "scaling", "epilogue", "passes +/-", "reason")
         rows = [
             (
                 str(op.graph),
@@ -173,6 +190,8 @@ class Report:
                 op.precision,
                 "x".join(op.formats) if op.formats else "-",
                 _scaling_text(op),
+                op.epilogue or "-" if op.precision == "fp8" else "-",
+                f"+{op.memory_passes_added}/-{op.memory_passes_saved}" if op.memory_passes_added is not None else "-",
                 op.reason,
             )
             for op in self.ops

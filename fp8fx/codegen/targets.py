@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fp8fx.codegen.triton_kernels import fp8_gemm_kernel, quantize_kernel
-from fp8fx.codegen.variants import ARCH_CONFIGS, GemmVariant, QuantizeVariant, TileConfig
+from fp8fx.codegen.variants import Epilogue, GemmVariant, QuantizeVariant, TileConfig, configs_for
 
 CAPABILITY = {"sm_89": 89, "sm_90a": 90, "sm_100a": 100}
 SHARED_MEMORY_LIMIT = {"sm_89": 101376, "sm_90a": 232448, "sm_100a": 232448}  # bytes per block (opt-in max)
@@ -118,11 +118,48 @@ def _result(name: str, arch: str, config: TileConfig, kernel, mma: re.Pattern | 
     return BuildResult(name, arch, cfg, found.group(0) if found else None, registers, spills, kernel.metadata.shared, SHARED_MEMORY_LIMIT[arch])
 
 
-def largest_config(arch: str, variant: GemmVariant) -> TileConfig:
-    """The config that stresses registers and shared memory most: the one every variant must fit."""
-    from fp8fx.codegen.variants import configs_for
+def _build_one(job) -> BuildResult:
+    variant, arch, config = job
+    if isinstance(variant, QuantizeVariant):
+        return build_quantize(variant, arch)
+    return build_gemm(variant, arch, config)
 
-    return configs_for(arch, variant)[0]
+
+def build_all(variants, archs=tuple(CAPABILITY), all_configs: bool = False, workers: int = 2) -> list[BuildResult]:
+    """Build every variant for every arch (each tile config, or the arch's first: the largest),
+    in `workers` processes. Quantize variants build once per arch."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = []
+    for variant in dict.fromkeys(variants):
+        for arch in archs:
+            if isinstance(variant, QuantizeVariant):
+                jobs.append((variant, arch, None))
+                continue
+            configs = configs_for(arch, variant)
+            jobs += [(variant, arch, c) for c in (configs if all_configs else configs[:1])]
+    if workers <= 1:
+        return [_build_one(j) for j in jobs]
+    import multiprocessing
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_build_one, jobs))
 
 
-__all__ = ["ARCH_CONFIGS", "BuildResult", "build_gemm", "build_quantize", "largest_config"]
+def coverage_variants() -> list:
+    """A small set of variants in which every epilogue hook, scale granularity, operand format
+    pair and output dtype appears at least once, plus the quantize kernels of each granularity."""
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    gemms = [
+        GemmVariant(e4, e4, (), (), Epilogue(bias=True, activation="gelu", aux="pre_activation", out_amax=True), torch.bfloat16),
+        GemmVariant(e4, e4, (1, 0), (0, 1), Epilogue(activation="silu", mul="by_other", aux="activation"), torch.float16),
+        GemmVariant(e4, e4, (1, 128), (128, 128), Epilogue(mul="gated", mul_activation="silu", aux="pre_activation"), torch.bfloat16),
+        GemmVariant(e5, e4, (1, 128), (128, 1), Epilogue(activation="relu", residual=True, aux="product"), torch.float32),
+        GemmVariant(e4, e5, (), (), Epilogue(activation="gelu_tanh", residual=True, aux="sum", out_amax=True), torch.bfloat16),
+        GemmVariant(e4, e4, (), (), Epilogue(bias=True, residual=True), e4),
+    ]
+    quantizers = [QuantizeVariant(torch.bfloat16, fmt, block, amax_given=not block) for fmt in (e4, e5) for block in ((), (1, 0), (1, 128), (128, 128))]
+    return gemms + quantizers
+
+
+__all__ = ["BuildResult", "build_all", "build_gemm", "build_quantize", "coverage_variants"]

@@ -21,7 +21,7 @@ import torch
 from torch import fx
 
 from fp8fx.codegen.variants import Epilogue, GemmVariant
-from fp8fx.passes.graph_utils import DTYPE_CASTS, META_KEY, PassContext, PassResult, add_node, fake_mode_of
+from fp8fx.passes.graph_utils import DTYPE_CASTS, META_KEY, PassContext, PassResult, add_node, fake_mode_of, strip_layout
 
 aten = torch.ops.aten
 fp8fx_ops = torch.ops.fp8fx
@@ -155,17 +155,20 @@ class _Fuser:
     def fuse(self, gemm: fx.Node) -> None:
         chain = _walk(gemm)
         meta = gemm.meta[META_KEY]
-        full = len(chain.steps)
+        full, rejected = len(chain.steps), None
         for length in range(full, -1, -1):
             steps = chain.steps[:length]
             if steps and steps[-1][0] in ("reshape", "cast") and length != full:
                 continue
             planned = self.plan(gemm, steps)
-            if planned is None:
+            if planned is None or not self.place(gemm, *planned):
+                rejected = rejected or (
+                    f"{steps[-1][1].name} ({steps[-1][1].target}) could not join: it needs a second value kept for "
+                    "other users, or an input computed after the GEMM result is needed"
+                )
                 continue
-            if self.place(gemm, *planned):
-                meta["fusion_stop"] = chain.stop if length == full else f"{chain.steps[length][1].name} could not join ({chain.stop})"
-                return
+            meta["fusion_stop"] = rejected or chain.stop
+            return
         raise AssertionError("an FP8 GEMM without epilogue can always be placed")
 
     def place(self, gemm, ep: Epilogue, inputs, final, aux_node, amax_users, absorbed) -> bool:
@@ -202,7 +205,8 @@ class _Fuser:
         for key in ("seq_nr", "autograd_backward", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack", META_KEY):
             if key in gemm.meta:
                 fused.meta[key] = gemm.meta[key]
-        fused.meta[META_KEY] = dict(gemm.meta[META_KEY], fused=[n.name for n in absorbed], epilogue=ep)
+        fused.meta[META_KEY] = gemm.meta[META_KEY]  # the same dict: the report reads it through the site
+        fused.meta[META_KEY].update(fused=[n.name for n in absorbed], epilogue=ep)
         for u in amax_users:
             u.replace_all_uses_with(outs[2])
         final.replace_all_uses_with(out)
@@ -216,9 +220,41 @@ class _Fuser:
         if not gemm.users:
             self.graph.erase_node(gemm)
         variant = GemmVariant(a.meta["val"].dtype, b.meta["val"].dtype, tuple(block_a), tuple(block_b), ep, out_val.dtype, aux_dtype)
-        fused.meta[META_KEY]["kernel"] = variant.name
+        fused.meta[META_KEY]["variant"] = variant
         self._renumber()
         return True
+
+
+def _count_memory_passes(graph: fx.Graph) -> None:
+    """Per FP8 GEMM: full passes over an operand-sized tensor that FP8 adds to a BF16 GEMM, and
+    the elementwise passes its epilogue saves. Added: each operand cast this GEMM is the first to
+    use costs an amax read (unless a producer epilogue made the amax) and a cast read + write; an
+    operand that is not K-contiguous costs a transposing copy."""
+    charged: set[fx.Node] = set()
+    gemms = [n for n in graph.nodes if n.target in (fp8fx_ops.fp8_gemm.default, fp8fx_ops.scaled_mm.default)]
+    # Forward GEMMs first: a fused node may sit late in the joint graph, but it runs in forward.
+    for node in sorted(gemms, key=lambda n: n.meta[META_KEY]["role"] != "output"):
+        added = 0
+        for i, operand in enumerate(node.args[:2]):
+            cast, _ = strip_layout(operand)
+            if cast.target == fp8fx_ops.cast.default and cast not in charged:
+                charged.add(cast)
+                added += 1
+                amax = _amax_of(cast)
+                added += amax is None or amax.target == fp8fx_ops.amax.default
+            val = operand.meta["val"]
+            added += val.stride(-1) != 1 if i == 0 else val.stride(-2) != 1
+        ep = node.meta[META_KEY].get("epilogue")
+        saved = ep.ops() + ep.out_amax if ep is not None else 0
+        node.meta[META_KEY]["memory_passes"] = (added, saved)
+
+
+def _amax_of(cast: fx.Node) -> fx.Node | None:
+    """The amax node the cast's scale was computed from (None for a scale read from state)."""
+    scale = cast.args[1]
+    if isinstance(scale, fx.Node) and scale.target == fp8fx_ops.amax_to_scale.default:
+        return scale.args[0]
+    return None
 
 
 def fuse_epilogues(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -232,6 +268,7 @@ def fuse_epilogues(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for gemm in gemms:
         fuser.fuse(gemm)
     gm.graph.eliminate_dead_code()
+    _count_memory_passes(gm.graph)
     gm.graph.lint()
     gm.recompile()
     return PassResult(gm, modified=True)

@@ -1,0 +1,112 @@
+"""fuse_epilogues: graph structure (counted) and numerics of fused FP8 GEMMs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fp8fx
+from helpers import FP8_GEMM, SCALED_MM, count, sqnr, tiny_gpt2
+from test_kernels import GatedBlock
+from test_training import GRAD_SQNR_DB, OUTPUT_SQNR_DB
+
+aten = torch.ops.aten
+ELEMENTWISE = (aten.gelu.default, aten.silu.default, aten.relu.default, aten.mul.Tensor, aten.add.Tensor)
+
+
+def compiled(model, **kwargs):
+    backend = fp8fx.backend(inner="eager", keep_graphs=True, **kwargs)
+    return backend, torch.compile(model, backend=backend)
+
+
+def graphs(backend, kind=None):
+    return [g for k, g in backend.kept_graphs if kind is None or k == kind]
+
+
+def test_inference_graph_has_one_fused_gemm_per_matmul_and_no_leftover_elementwise():
+    torch.manual_seed(0)
+    model = GatedBlock()
+    backend, fast = compiled(model)
+    x = torch.randn(2, 16, 64)
+    with torch.no_grad():
+        out, ref = fast(x), model(x)
+    (g,) = graphs(backend, "inference")
+    assert count(g, FP8_GEMM) == 4 and count(g, SCALED_MM) == 0
+    assert sum(count(g, op) for op in ELEMENTWISE) == 0, g.graph
+    # x and the four weights need an amax pass; the GELU output's and the gated product's amax
+    # come from the epilogues of the GEMMs that make them.
+    assert count(g, torch.ops.fp8fx.amax.default) == 5 and count(g, torch.ops.fp8fx.cast.default) == 7
+    specs = sorted(n.args[12] for n in g.graph.nodes if n.target == FP8_GEMM)
+    assert specs == ["", "act=silu,mul,amax", "bias,act=gelu,amax", "residual"]
+    assert sqnr(out, ref) >= OUTPUT_SQNR_DB
+
+
+def test_fused_and_unfused_graphs_agree():
+    torch.manual_seed(0)
+    model = GatedBlock()
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    results = []
+    for fuse in (True, False):
+        m = copy.deepcopy(model)
+        _, fast = compiled(m, fuse_epilogues=fuse)
+        xi = x.detach().clone().requires_grad_()
+        out = fast(xi)
+        out.sum().backward()
+        results.append((out, xi.grad, m.fc.weight.grad, m.gate.weight.grad))
+        torch._dynamo.reset()
+    for fused, unfused in zip(*results):
+        assert sqnr(fused, unfused) >= 60  # the same FP8 math, only rounded once less
+
+
+def test_training_keeps_what_backward_needs_as_aux_outputs():
+    torch.manual_seed(0)
+    model = GatedBlock()
+    reference = copy.deepcopy(model)
+    backend, fast = compiled(model)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    fast(x).sum().backward()
+    reference(x.detach().requires_grad_()).sum().backward()
+    fw, bw = graphs(backend, "forward")[0], graphs(backend, "backward")[0]
+    assert count(fw, FP8_GEMM) == 4 and count(bw, FP8_GEMM) == 8 and count(fw, SCALED_MM) + count(bw, SCALED_MM) == 0
+    report = fp8fx.report(backend)
+    by_key = {(op.site, op.role): op for op in report.ops}
+    # GELU backward needs the pre-activation: the fused GEMM stores it as its aux output.
+    assert by_key[("fc", "output")].epilogue == "bias,act=gelu,aux=pre_activation,amax"
+    assert by_key[("down", "output")].epilogue == "residual"
+    assert all(op.kernel and op.kernel.startswith("fp8_gemm_") for op in report.ops)
+    assert all(op.memory_passes_added is not None for op in report.ops)
+    assert report.summary()["fused_epilogues"] >= 4
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert sqnr(p.grad, q.grad) >= GRAD_SQNR_DB
+
+
+def test_report_says_why_fusion_stopped():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Softmax(-1), torch.nn.Linear(64, 32))
+    backend, fast = compiled(model)
+    with torch.no_grad():
+        fast(torch.randn(8, 32))
+    first = fp8fx.report(backend).ops[0]
+    assert first.epilogue == "bias" and "_softmax" in first.fusion
+
+
+def test_gpt2_with_fused_epilogues_keeps_its_numerics():
+    torch.manual_seed(0)
+    model = tiny_gpt2().eval()
+    backend, fast = compiled(model)
+    ids = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        out, ref = fast(ids).logits, model(ids).logits
+    assert sqnr(out, ref) >= OUTPUT_SQNR_DB
+    ops = {op.site: op for op in fp8fx.report(backend).fp8_ops}
+    assert all(op.epilogue == "bias" for site, op in ops.items() if site != "lm_head")  # Conv1D: addmm
+    # GPT-2's GELU is written out in elementwise ops: its first add needs x**3, made after the GEMM.
+    assert "could not join" in ops["transformer.h.0.mlp.c_fc"].fusion
+
+
+@pytest.mark.parametrize("kernels", ["cuda", "triton-interpreter", ""])
+def test_backend_rejects_unknown_kernels(kernels):
+    with pytest.raises(ValueError, match="kernels must be one of auto, triton, scaled_mm"):
+        fp8fx.backend(kernels=kernels)

@@ -1,0 +1,89 @@
+"""The generated kernels: correct under Triton's interpreter, and built for real GPUs on the CPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fp8fx.codegen.variants import ARCH_CONFIGS
+from fp8fx.codegen.targets import build_all, coverage_variants
+from helpers import compile_captured, tiny_llama
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_kernels_match_reference_under_the_interpreter():
+    """tests/interpreter, in a process started with TRITON_INTERPRET=1 (it must precede the import)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:logging", "-p", "no:cacheprovider", str(ROOT / "tests" / "interpreter")]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+
+
+class GatedBlock(nn.Module):
+    """linear + bias + gelu, a gated MLP and a residual add: every epilogue the pass fuses."""
+
+    def __init__(self, d=64, hidden=128):
+        super().__init__()
+        self.fc = nn.Linear(d, hidden)
+        self.gate = nn.Linear(hidden, d, bias=False)
+        self.up = nn.Linear(hidden, d, bias=False)
+        self.down = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        h = nn.functional.gelu(self.fc(x))
+        return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+def model_variants() -> list:
+    """The kernel variants fp8fx generates for a training step of GatedBlock and of a tiny Llama."""
+    torch.manual_seed(0)
+    variants = []
+    for model, x in ((GatedBlock(), torch.randn(2, 16, 64, requires_grad=True)), (tiny_llama(), torch.randint(0, 256, (2, 16)))):
+        cap = compile_captured(model)
+        out = cap.compiled(x)
+        (out if isinstance(out, torch.Tensor) else out.logits).float().sum().backward()
+        variants += [n.meta["fp8fx"]["variant"] for g in cap.forward + cap.backward for n in g.graph.nodes if n.target == torch.ops.fp8fx.fp8_gemm.default]
+        torch._dynamo.reset()
+    return variants
+
+
+def test_every_generated_variant_builds_for_ada_hopper_and_blackwell():
+    variants = list(dict.fromkeys(coverage_variants() + model_variants()))
+    assert len(variants) >= 16
+    results = build_all(variants)
+    assert len(results) == 3 * len(variants)
+    gemms = [r for r in results if r.kernel.startswith("fp8_gemm")]
+    bad = [r for r in results if not r.ok or (r in gemms and r.fp8_mma is None)]
+    assert not bad, "\n".join(map(str, bad))
+    for r in gemms:  # the architecture's own FP8 tensor-core instruction
+        expected = {"sm_89": "mma.sync", "sm_90a": "wgmma.mma_async", "sm_100a": "tcgen05.mma"}[r.arch]
+        assert r.fp8_mma.startswith(expected), r
+
+
+def test_every_tile_config_builds():
+    variant = coverage_variants()[0]  # bias + gelu + aux + amax: the heaviest common epilogue
+    results = build_all([variant], all_configs=True)
+    assert len(results) == sum(len(c) for c in ARCH_CONFIGS.values())
+    assert all(r.ok and r.fp8_mma for r in results), "\n".join(map(str, results))
+
+
+def test_triton_kernels_on_cpu_need_the_interpreter():
+    from fp8fx.codegen import launch
+
+    a = torch.zeros(16, 32, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(16, 32, dtype=torch.float8_e4m3fn).t()
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        launch.fp8_gemm(a, b, torch.tensor(1.0), torch.tensor(1.0))
+
+
+def test_gemm_gpu_bench_says_it_needs_a_gpu():
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gemm_gpu.py")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "no CUDA GPU" in run.stderr
