@@ -57,6 +57,21 @@ def compile_captured(model: nn.Module, policy: fp8fx.Policy | None = None, **com
     return Captured(backend, torch.compile(model, backend=backend, **compile_kwargs))
 
 
+class GatedBlock(nn.Module):
+    """linear + bias + gelu, a gated MLP and a residual add: every epilogue the pass fuses."""
+
+    def __init__(self, d=64, hidden=128):
+        super().__init__()
+        self.fc = nn.Linear(d, hidden)
+        self.gate = nn.Linear(hidden, d, bias=False)
+        self.up = nn.Linear(hidden, d, bias=False)
+        self.down = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        h = nn.functional.gelu(self.fc(x))
+        return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+
+
 def tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import fp8fx
-from helpers import FP8_GEMM, SCALED_MM, count, sqnr, tiny_gpt2
-from test_kernels import GatedBlock
+from helpers import FP8_GEMM, SCALED_MM, GatedBlock, count, sqnr, tiny_gpt2
 from test_training import GRAD_SQNR_DB, OUTPUT_SQNR_DB
 
 aten = torch.ops.aten

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from fp8fx.codegen.variants import ARCH_CONFIGS
 from fp8fx.codegen.targets import build_all, coverage_variants
-from helpers import compile_captured, tiny_llama
+from helpers import GatedBlock, compile_captured, tiny_llama
 
 ROOT = Path(__file__).parent.parent
 
@@ -25,21 +24,6 @@ def test_kernels_match_reference_under_the_interpreter():
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
-
-
-class GatedBlock(nn.Module):
-    """linear + bias + gelu, a gated MLP and a residual add: every epilogue the pass fuses."""
-
-    def __init__(self, d=64, hidden=128):
-        super().__init__()
-        self.fc = nn.Linear(d, hidden)
-        self.gate = nn.Linear(hidden, d, bias=False)
-        self.up = nn.Linear(hidden, d, bias=False)
-        self.down = nn.Linear(d, d, bias=False)
-
-    def forward(self, x):
-        h = nn.functional.gelu(self.fc(x))
-        return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
 
 
 def model_variants() -> list:

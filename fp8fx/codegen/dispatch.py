@@ -27,8 +27,9 @@ def fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_s
         a, b, scale_inv_a, scale_inv_b, block_a=tuple(block_a), block_b=tuple(block_b), epilogue=ep, bias=bias, other=other,
         residual=residual, out_scale=out_scale, out_dtype=out_dtype, aux_dtype=aux_dtype,
     )  # fmt: skip
-    empty = out.new_empty(0)
-    return out, aux if aux is not None else empty.to(aux_dtype), amax if amax is not None else empty.float()
+    # Absent outputs are fresh empty tensors (outputs of a custom op may not alias each other).
+    aux = aux if aux is not None else out.new_empty(0, dtype=aux_dtype)
+    return out, aux, amax if amax is not None else out.new_empty(0, dtype=torch.float32)
 
 
 def fp8_gemm_cuda(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, kernel):
