@@ -56,6 +56,8 @@ def test_every_tile_config_builds():
     variant = coverage_variants()[0]  # bias + gelu + aux + amax: the heaviest common epilogue
     results = build_all([variant], all_configs=True)
     assert len(results) == sum(len(c) for c in ARCH_CONFIGS.values())
+    heavy = coverage_variants()[3]  # relu + residual + aux, blockwise: a product of tiles in registers
+    results += build_all([heavy], all_configs=True)
     assert all(r.ok and r.fp8_mma for r in results), "\n".join(map(str, results))
 
 

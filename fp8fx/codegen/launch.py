@@ -51,10 +51,10 @@ def _scale_strides(scale: Tensor, block: tuple) -> tuple[int, int]:
 
 
 @functools.cache
-def _autotuned(arch: str, k_block: int):
-    variant_k = GemmVariant(torch.float8_e4m3fn, torch.float8_e4m3fn, (1, k_block) if k_block else ())
+def _autotuned(arch: str, variant: GemmVariant):
+    """One autotuner per variant and GPU, over that variant's configs, keyed on M, N, K."""
     configs = [
-        triton.Config(c.constexprs(), num_warps=c.num_warps, num_stages=c.num_stages, **_FP_FUSION) for c in configs_for(arch, variant_k)
+        triton.Config(c.constexprs(), num_warps=c.num_warps, num_stages=c.num_stages, **_FP_FUSION) for c in configs_for(arch, variant)
     ]
     return triton.autotune(configs=configs, key=["M", "N", "K"])(fp8_gemm_kernel)
 
@@ -125,7 +125,7 @@ def fp8_gemm(
         *strides(other), *strides(residual), *strides(aux),
     )  # fmt: skip
     if device.type == "cuda":
-        kernel = _autotuned(arch_of(torch.cuda.get_device_capability(device)), variant.k_block)
+        kernel = _autotuned(arch_of(torch.cuda.get_device_capability(device)), variant)
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         kernel[grid](*args, **variant.constexprs())
     else:

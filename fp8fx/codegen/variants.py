@@ -100,10 +100,6 @@ _SHORT = {
 }
 
 
-def fp8_constants(dtype: torch.dtype) -> tuple[float, int, int]:
-    return _FP8_CONSTS[dtype]
-
-
 @dataclass(frozen=True)
 class GemmVariant:
     """One generated FP8 GEMM kernel: C[M, N] = epilogue(A[M, K] @ B[K, N])."""
@@ -202,9 +198,11 @@ class TileConfig:
 # in the tests, which check that it uses FP8 tensor cores, does not spill and fits shared memory.
 # Hopper / Blackwell: 128-wide tiles with 8 warps (two warpgroups) and 4 stages; 128 x 256 tiles
 # spill with the larger epilogues. Ada: 99 KB of shared memory and mma.sync; 128 x 128 tiles spill
-# with a GELU epilogue, so 128 x 64. BLOCK_K = 128 matches blockwise scaling's K-blocks.
+# with a GELU epilogue, so 128 x 64. Epilogues that load tiles (product, residual) get the smaller
+# tiles only (see configs_for). BLOCK_K = 128 matches blockwise scaling's K-blocks.
 _HOPPER = (
     TileConfig(128, 128, 128, 8, 8, 4),
+    TileConfig(128, 64, 128, 8, 8, 4),
     TileConfig(128, 128, 64, 8, 8, 4),
     TileConfig(64, 128, 128, 8, 4, 4),
     TileConfig(64, 64, 128, 8, 4, 3),
@@ -231,6 +229,10 @@ def arch_of(capability: tuple[int, int]) -> str:
 def configs_for(arch: str, variant: GemmVariant) -> tuple[TileConfig, ...]:
     """Configs of `arch` usable for `variant`: with K-block scales, BLOCK_K must divide the K-block."""
     configs = ARCH_CONFIGS[arch]
+    if variant.epilogue.mul != "none" or variant.epilogue.residual:
+        # Epilogues that load full tiles of other tensors hold them in registers beside the
+        # accumulator: at most 32 accumulator values per thread keeps them from spilling.
+        configs = tuple(c for c in configs if c.block_m * c.block_n <= 32 * 32 * c.num_warps)
     k_block = variant.k_block
     if k_block:
         configs = tuple(replace(c, block_k=math.gcd(c.block_k, k_block)) for c in configs)
