@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--inner", default="eager", choices=["eager", "inductor"])
     ap.add_argument("--model", default="llama", choices=["llama", "transformer"], help="transformers Llama or fp8fx's demo model")
+    ap.add_argument("--no-fusion", action="store_true", help="keep the FP8 GEMMs unfused (fuse_epilogues=False)")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.model == "llama":
@@ -66,7 +67,7 @@ def main() -> None:
         model = TinyTransformer(dim=args.dim, heads=max(1, args.dim // 64), layers=args.layers, max_seq=args.seq)
     tokens = torch.randint(0, 256, (args.batch, args.seq))
     base = saved_bytes(model, tokens)
-    compiled = torch.compile(model, backend=fp8fx.backend(inner=args.inner))
+    compiled = torch.compile(model, backend=fp8fx.backend(inner=args.inner, fuse_epilogues=not args.no_fusion))
     saved_bytes(compiled, tokens)  # compile
     fp8 = saved_bytes(compiled, tokens)
     total_base, total_fp8 = sum(base.values()), sum(fp8.values())

@@ -106,7 +106,6 @@ class _Fuser:
         self.fake_mode = fake_mode_of(self.graph)
         self.kernel = kernel
         self.order = {}
-        self.absorbed: set[fx.Node] = set()
         self._renumber()
 
     def _renumber(self):
