@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fp8fx
-from helpers import FP8_GEMM, SCALED_MM, GatedBlock, count, sqnr, tiny_gpt2
+from helpers import FP8_GEMM, SCALED_MM, GatedBlock, count, sqnr, tiny_gpt2, tiny_llama
 from test_training import GRAD_SQNR_DB, OUTPUT_SQNR_DB
 
 aten = torch.ops.aten
@@ -109,3 +109,21 @@ def test_gpt2_with_fused_epilogues_keeps_its_numerics():
 def test_backend_rejects_unknown_kernels(kernels):
     with pytest.raises(ValueError, match="kernels must be one of auto, triton, scaled_mm"):
         fp8fx.backend(kernels=kernels)
+
+
+@pytest.mark.parametrize("make_model", [GatedBlock, tiny_llama], ids=["gated_block", "llama"])
+def test_fusion_saves_no_more_for_backward_than_unfused(make_model):
+    """Bytes of the tensors forward hands to backward (the backward graph's inputs)."""
+    saved = {}
+    for fuse in (True, False):
+        torch.manual_seed(0)
+        model = make_model()
+        backend, fast = compiled(model, fuse_epilogues=fuse)
+        x = torch.randn(2, 16, 64, requires_grad=True) if make_model is GatedBlock else torch.randint(0, 256, (2, 16))
+        out = fast(x)
+        (out if isinstance(out, torch.Tensor) else out.logits).sum().backward()
+        (bw,) = graphs(backend, "backward")
+        vals = [n.meta["val"] for n in bw.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+        saved[fuse] = sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+        torch._dynamo.reset()
+    assert saved[True] <= saved[False], saved

@@ -52,6 +52,20 @@ def _activation_name(node: fx.Node) -> str | None:
     return name
 
 
+def _is_backward(node: fx.Node) -> bool:
+    return node.meta.get("partitioner_tag") == "is_backward" or bool(node.meta.get("autograd_backward"))
+
+
+def _used_by_backward(node: fx.Node) -> bool:
+    """Whether a backward node reads `node` (directly or through reshapes)."""
+    for user in node.users:
+        if _is_backward(user):
+            return True
+        if user.target in RESHAPES and _used_by_backward(user):
+            return True
+    return False
+
+
 def _other_operand(node: fx.Node, current: fx.Node):
     args = [a for a in node.args if a is not current]
     return args[0] if len(args) == 1 and isinstance(args[0], fx.Node) else None
@@ -145,6 +159,13 @@ class _Fuser:
             return None
         aux_node = needed[0] if needed else None
         if aux_node is not None:
+            # In training graphs an aux output costs saved memory unless it replaces what backward
+            # would save anyway: min-cut cannot recompute through the fused op, so when backward
+            # also reads the result it saves both (unfused: one, the activation recomputed), and
+            # aux outputs of backward GEMMs also raised the saved bytes (bench/saved_memory.py:
+            # 0.80x vs 0.64x of fp32 on a Llama). Those chains end before the aux value instead.
+            if _is_backward(gemm) or _used_by_backward(final):
+                return None
             ep = replace(ep, aux=stage_of[aux_node])
         amax_users = [u for u in final.users if u.target == fp8fx_ops.amax.default and list(u.args[1]) == []]
         if amax_users:
