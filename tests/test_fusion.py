@@ -127,3 +127,28 @@ def test_fusion_saves_no_more_for_backward_than_unfused(make_model):
         saved[fuse] = sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
         torch._dynamo.reset()
     assert saved[True] <= saved[False], saved
+
+
+def test_delayed_scaling_consumer_gets_fp8_straight_from_the_epilogue():
+    """With delayed scaling the next layer's input scale is known before the GEMM runs: the GELU
+    layer's kernel writes the FP8 input of the next layer, and no separate cast of it remains."""
+    from fp8fx import Policy
+
+    results = {}
+    for fuse in (True, False):
+        torch.manual_seed(0)
+        model = fp8fx.prepare(torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)))
+        backend, fast = compiled(model, policy=Policy.from_recipe("delayed", amax_history_len=4), fuse_epilogues=fuse)
+        x = torch.randn(2, 16, 64, requires_grad=True)
+        for _ in range(3):  # the scales in use come from the history of earlier steps
+            out = fast(x)
+            out.sum().backward()
+        results[fuse] = (out, x.grad, model[0].weight.grad)
+        if fuse:
+            fw = graphs(backend, "forward")[-1]
+            first = next(n for n in fw.graph.nodes if n.target == FP8_GEMM)
+            assert first.meta["val"][0].dtype == torch.float8_e4m3fn and first.args[7] is not None  # FP8 out, its scale
+            assert count(fw, torch.ops.fp8fx.cast.default) == 3  # x and the two weights; not the GELU output
+        torch._dynamo.reset()
+    for fused, unfused in zip(results[True], results[False]):
+        assert sqnr(fused, unfused) >= 40

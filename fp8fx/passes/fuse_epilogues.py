@@ -170,6 +170,10 @@ class _Fuser:
         amax_users = [u for u in final.users if u.target == fp8fx_ops.amax.default and list(u.args[1]) == []]
         if amax_users:
             ep = replace(ep, out_amax=True)
+        # The result's only use is a tensorwise FP8 cast with a scale known before the GEMM
+        # (delayed scaling: read from state) and its amax: the kernel writes FP8 directly.
+        casts = [u for u in final.users if u.target == fp8fx_ops.cast.default and list(u.args[3]) == [] and u.args[1].op == "placeholder"]
+        inputs["fp8_cast"] = casts[0] if len(casts) == 1 and set(final.users) == {*casts, *amax_users} else None
         return ep, inputs, final, aux_node, amax_users, absorbed
 
     def fuse(self, gemm: fx.Node) -> None:
@@ -207,14 +211,16 @@ class _Fuser:
                 return False
         if inputs["bias"] is not None and self.order[inputs["bias"]] >= self.order[at]:
             return False
-        out_val = final.meta["val"]
-        aux_dtype = aux_node.meta["val"].dtype if aux_node is not None else out_val.dtype
+        fp8_cast = inputs["fp8_cast"]
+        out_val = (fp8_cast or final).meta["val"]
+        aux_dtype = aux_node.meta["val"].dtype if aux_node is not None else final.meta["val"].dtype
+        out_scale = fp8_cast.args[1] if fp8_cast is not None else None
         with self.graph.inserting_before(at):
             flat = {}
             for key in ("other", "residual"):
                 t = inputs[key]
                 flat[key] = t if t is None or _shape(t) == (m, n) else self.add(aten.view.default, (t, [m, n]), tag_from=gemm)
-            args = (a, b, sa, sb, inputs["bias"], flat["other"], flat["residual"], None, out_val.dtype, aux_dtype,
+            args = (a, b, sa, sb, inputs["bias"], flat["other"], flat["residual"], out_scale, out_val.dtype, aux_dtype,
                     list(block_a), list(block_b), ep.spec(), self.kernel)  # fmt: skip
             fused = self.add(fp8fx_ops.fp8_gemm.default, args, tag_from=gemm)
             outs = [self.add(operator.getitem, (fused, i), tag_from=gemm) for i in range(3)]
@@ -229,12 +235,12 @@ class _Fuser:
         fused.meta[META_KEY].update(fused=[n.name for n in absorbed], epilogue=ep)
         for u in amax_users:
             u.replace_all_uses_with(outs[2])
-        final.replace_all_uses_with(out)
+        (fp8_cast or final).replace_all_uses_with(out)
         if aux is not None:
             for u in list(aux_node.users):
                 if u not in absorbed:
                     u.replace_input_with(aux_node, aux)
-        for node in reversed([*amax_users, *absorbed]):
+        for node in reversed([*amax_users, *([fp8_cast] if fp8_cast is not None else []), *absorbed]):
             if not node.users:
                 self.graph.erase_node(node)
         if not gemm.users:
