@@ -22,6 +22,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import fp8fx.ops  # noqa: F401  (registers the fp8fx::* operators)
 from fp8fx.passes import REWRITE_PASSES, PassContext, run_passes
+from fp8fx.passes.graph_utils import decompose_nodes
 from fp8fx.passes.pipeline import PLANNING_PASSES
 from fp8fx.state import BUFFERS, Fp8State, state_for
 from fp8fx.policy import GEMM_ROLES, Policy, load_policy
@@ -52,6 +53,7 @@ def _graph_kind(gm: fx.GraphModule) -> str:
 
 
 KERNELS = ("auto", "triton", "scaled_mm")
+FUSABLE_ACTIVATIONS = (torch.ops.aten.gelu.default, torch.ops.aten.silu.default)
 
 
 class Fp8fxBackend:
@@ -189,8 +191,13 @@ class Fp8fxBackend:
         from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
+        from torch._inductor.decomposition import select_decomp_table
+
+        # Activations reach the FP8 passes whole, so they can be fused into GEMM epilogues; the
+        # joint pass decomposes those left over, as Inductor would have.
+        decompositions = {op: fn for op, fn in select_decomp_table().items() if op not in FUSABLE_ACTIVATIONS}
         with inductor_config.patch(joint_custom_pre_pass=_InductorJointPass(rewrite)):
-            return compile_fx(gm, example_inputs)
+            return compile_fx(gm, example_inputs, decompositions=decompositions)
 
 
 class _Planned(Exception):
@@ -229,6 +236,7 @@ class _InductorJointPass(CustomGraphPass):
 
     def __call__(self, graph: fx.Graph) -> None:
         self.rewrite(graph.owning_module)
+        decompose_nodes(graph, FUSABLE_ACTIVATIONS)
 
     def uuid(self) -> None:
         # No cache key: a cached compile would skip the pass and leave the report empty.

@@ -114,3 +114,37 @@ def add_node(graph: fx.Graph, fake_mode, target, args: tuple, kwargs: dict | Non
         if key in tag_from.meta:
             node.meta[key] = tag_from.meta[key]
     return node
+
+
+def decompose_nodes(graph: fx.Graph, targets) -> int:
+    """Replace each call of `targets` by its decomposition from Inductor's table, in place.
+
+    Returns how many nodes were replaced. The subgraphs are traced on the nodes' fake values, so
+    every new node carries `meta["val"]`."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch._inductor.decomposition import select_decomp_table
+
+    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in targets]
+    if not nodes:
+        return 0
+    fake_mode = fake_mode_of(graph)
+    table = select_decomp_table()
+    for node in nodes:
+        tensor_args = [a for a in node.args if isinstance(a, fx.Node)]
+        rest = [a for a in node.args if not isinstance(a, fx.Node)]
+
+        def fn(*tensors, _target=node.target, _rest=rest, _kwargs=dict(node.kwargs)):
+            return _target(*tensors, *_rest, **_kwargs)
+
+        with fake_mode:
+            sub = make_fx(fn, decomposition_table=table)(*[a.meta["val"] for a in tensor_args])
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        before = set(graph.nodes)
+        with graph.inserting_before(node):
+            out = graph.graph_copy(sub.graph, dict(zip(placeholders, tensor_args)), return_output_node=False)
+        for new in graph.nodes:
+            if new not in before:  # the partitioners read the forward / backward tag
+                new.meta.update({k: node.meta[k] for k in ("partitioner_tag", "stack_trace") if k in node.meta})
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+    return len(nodes)
