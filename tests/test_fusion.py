@@ -152,3 +152,15 @@ def test_delayed_scaling_consumer_gets_fp8_straight_from_the_epilogue():
         torch._dynamo.reset()
     for fused, unfused in zip(results[True], results[False]):
         assert sqnr(fused, unfused) >= 40
+
+
+def test_inductor_sees_whole_activations_and_fuses_them():
+    torch.manual_seed(0)
+    model = GatedBlock()
+    backend = fp8fx.backend(inner="inductor")
+    x = torch.randn(2, 16, 64)
+    with torch.no_grad():
+        out, ref = torch.compile(model, backend=backend)(x), model(x)
+    epilogues = {op.site: op.epilogue for op in fp8fx.report(backend).ops}
+    assert epilogues["fc"] == "bias,act=gelu,amax" and epilogues["gate"] == "act=silu,mul,amax"
+    assert sqnr(out, ref) >= OUTPUT_SQNR_DB
