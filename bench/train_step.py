@@ -53,7 +53,7 @@ def warm_up(inner: str) -> None:
     torch._dynamo.reset()
 
 
-def run(inner: str, base: torch.nn.Module, tokens: torch.Tensor, steps: int) -> dict[str, tuple[float, float]]:
+def run(inner: str, base: torch.nn.Module, tokens: torch.Tensor, steps: int, fuse: bool = True) -> dict[str, tuple[float, float]]:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     results = {}
@@ -63,7 +63,8 @@ def run(inner: str, base: torch.nn.Module, tokens: torch.Tensor, steps: int) -> 
     results["plain"] = time_steps(plain, torch.compile(plain, backend=PLAIN_BACKEND[inner]), tokens, steps)
     ours = copy.deepcopy(base)
     torch._dynamo.reset()
-    results["fp8fx"] = time_steps(ours, torch.compile(ours, backend=fp8fx.backend(inner=inner)), tokens, steps)
+    backend = fp8fx.backend(inner=inner, fuse_epilogues=fuse)
+    results["fp8fx"] = time_steps(ours, torch.compile(ours, backend=backend), tokens, steps)
     ao = copy.deepcopy(base)
     convert_to_float8_training(ao, config=Float8LinearConfig(emulate=True))
     torch._dynamo.reset()
@@ -79,6 +80,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--no-fusion", action="store_true", help="keep fp8fx's FP8 GEMMs unfused (fuse_epilogues=False)")
     args = ap.parse_args()
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
@@ -86,7 +88,7 @@ def main() -> None:
     tokens = torch.randint(0, 256, (args.batch, args.seq))
     print(f"Llama {args.layers} layers, dim {args.dim}, batch {args.batch} x seq {args.seq}, fp32 params, {torch.get_num_threads()} threads")
     for inner in ("eager", "inductor") if args.inner == "both" else (args.inner,):
-        r = run(inner, base, tokens, args.steps)
+        r = run(inner, base, tokens, args.steps, fuse=not args.no_fusion)
         print(f"\ninner={inner} (plain and torchao use backend={PLAIN_BACKEND[inner]!r})")
         for name, (first, step) in r.items():
             print(f"  {name:8s} first step {first:7.2f} s   step {1000 * step:8.1f} ms")

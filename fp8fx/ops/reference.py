@@ -177,22 +177,28 @@ def fp8_gemm(
 
 
 def fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_dtype, ep) -> tuple[Tensor, Tensor, Tensor]:
-    """The epilogue of `fp8_gemm` on the dequantized fp32 product `y`, in the kernel's order."""
-    stages = {}
+    """The epilogue of `fp8_gemm` on the dequantized fp32 product `y` (updated in place), in the
+    kernel's order."""
+    aux = y.new_empty(0, dtype=aux_dtype)
+
+    def keep(stage: str) -> None:
+        nonlocal aux
+        if ep.aux == stage:
+            aux = y.to(aux_dtype, copy=True)
+
     if ep.bias:
-        y = y + bias
-    stages["pre_activation"] = y
+        y.add_(bias)
+    keep("pre_activation")
     y = _activation(y, ep.activation)
-    stages["activation"] = y
+    keep("activation")
     if ep.mul == "by_other":
-        y = y * other
+        y.mul_(other)
     elif ep.mul == "gated":
-        y = _activation(other.to(torch.float32), ep.mul_activation) * y
-    stages["product"] = y
+        y.mul_(_activation(other.to(torch.float32), ep.mul_activation))
+    keep("product")
     if ep.residual:
-        y = y + residual
-    stages["sum"] = y
-    aux = stages[ep.aux].to(aux_dtype, copy=True) if ep.aux != "none" else y.new_empty(0, dtype=aux_dtype)
+        y.add_(residual)
+    keep("sum")
     amax = scaling.tensor_amax(y) if ep.out_amax else y.new_empty(0)
     if out_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         out = saturating_cast(y * out_scale, fp8_format_of(out_dtype))
