@@ -1,5 +1,6 @@
-"""Which kernel runs an `fp8fx::fp8_gemm` node on CUDA: the generated Triton kernel (default) or
-PyTorch's `torch._scaled_mm` followed by the epilogue in plain torch (`kernels="scaled_mm"`)."""
+"""CUDA kernels of the fp8fx ops. An `fp8fx::fp8_gemm` node runs the generated Triton kernel
+(default) or PyTorch's `torch._scaled_mm` followed by the epilogue in plain torch
+(`kernels="scaled_mm"`); `fp8fx::cast` runs the Triton cast kernel (one pass)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,12 @@ def scaled_mm_2d_any(a, b, scale_inv_a, scale_inv_b, block_a, block_b) -> Tensor
     from fp8fx.codegen.scaled_mm_cuda import scaled_mm_2d
 
     return scaled_mm_2d(a, b, scale_inv_a, scale_inv_b, torch.float32, block_a, block_b)
+
+
+def cast_cuda(x: Tensor, scale: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:
+    from fp8fx.codegen.launch import cast
+    from fp8fx.ops.reference import cast as reference_cast
+
+    if x.dim() < 2 or (x.dim() > 2 and block and block[0] != 1):  # batched blocks (bmm operands): rare
+        return reference_cast(x, scale, dtype, block)
+    return cast(x, scale, dtype, tuple(block))

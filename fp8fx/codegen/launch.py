@@ -191,3 +191,29 @@ def quantize(
         ROW_BLOCK=b0, COL_BLOCK=b1, TILE_R=_tile(b0, 32), TILE_C=_tile(b1, 128), **consts,
     )  # fmt: skip
     return out, scale
+
+
+def cast(x: Tensor, scale: Tensor, dtype: torch.dtype, block: tuple = (), *, transpose: bool = False) -> Tensor:
+    """Saturating cast of `x * scale` to FP8 with scales computed beforehand (`fp8fx::cast`).
+
+    Tensorwise and row-blocked casts of N-D tensors run on the 2-D view [rows, last dim]."""
+    fp8_format_of(dtype)
+    block = tuple(block)
+    device = _check_device(dict(x=x, scale=scale))
+    if x.dim() < 2 or (x.dim() > 2 and block and block[0] != 1):
+        raise ValueError(f"fp8fx cast: needs a 2-D tensor (N-D only tensorwise or with row blocks of 1), got {tuple(x.shape)} with block {block}")
+    x2 = x.reshape(-1, x.shape[-1])
+    scale2 = scale.reshape(-1, scale.shape[-1]) if block else scale
+    if tuple(scale2.shape) != tuple(scale_shape(x2.shape, block)) or scale.dtype != torch.float32:
+        raise ValueError(f"fp8fx cast: scale must be fp32 of shape {tuple(scale_shape(x.shape, block))}, got {scale.dtype} {tuple(scale.shape)}")
+    r, c = x2.shape
+    out = torch.empty((c, r), dtype=dtype, device=device).t() if transpose else torch.empty((r, c), dtype=dtype, device=device)
+    consts = QuantizeVariant(x.dtype, dtype, block, scale_given=True).constexprs()
+    b0, b1 = block or (32, 128)
+    s_strides = (scale2.stride(0), scale2.stride(1)) if block else (0, 0)
+    grid = (triton.cdiv(r, b0) if b0 else 1, triton.cdiv(c, b1) if b1 else 1)
+    quantize_kernel[grid](
+        x2, out, scale2, scale2, r, c, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1), *s_strides,
+        ROW_BLOCK=b0, COL_BLOCK=b1, TILE_R=_tile(b0, 32), TILE_C=_tile(b1, 128), **consts,
+    )  # fmt: skip
+    return out if transpose else out.reshape(x.shape)

@@ -159,6 +159,7 @@ def coverage_variants() -> list:
         GemmVariant(e4, e4, (), (), Epilogue(bias=True, residual=True), e4),
     ]
     quantizers = [QuantizeVariant(torch.bfloat16, fmt, block, amax_given=not block) for fmt in (e4, e5) for block in ((), (1, 0), (1, 128), (128, 128))]
+    quantizers += [QuantizeVariant(torch.float32, e4, block, scale_given=True) for block in ((), (1, 0), (1, 128))]
     return gemms + quantizers
 
 

@@ -199,12 +199,13 @@ def quantize_kernel(
     x_ptr, out_ptr, scale_ptr, amax_ptr,
     R, C,
     stride_xr, stride_xc, stride_or, stride_oc, stride_sr, stride_sc,
-    ROW_BLOCK: tl.constexpr, COL_BLOCK: tl.constexpr, AMAX_GIVEN: tl.constexpr,
+    ROW_BLOCK: tl.constexpr, COL_BLOCK: tl.constexpr, AMAX_GIVEN: tl.constexpr, SCALE_GIVEN: tl.constexpr,
     FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, POWER_OF_TWO: tl.constexpr,
     MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
     TILE_R: tl.constexpr, TILE_C: tl.constexpr,
 ):
-    """Saturating FP8 quantization of a 2-D tensor, one program per scale block.
+    """Saturating FP8 quantization of a 2-D tensor, one program per scale block (or a cast with
+    given scales, SCALE_GIVEN).
 
     The block is ROW_BLOCK x COL_BLOCK elements (0: the whole dimension, i.e. one program covers
     it). Pass 1 takes the block's amax (skipped when AMAX_GIVEN: a tensorwise amax computed
@@ -220,8 +221,10 @@ def quantize_kernel(
     c_end = C if COL_BLOCK == 0 else tl.minimum(c_start + COL_BLOCK, C)
     offs_r = tl.arange(0, TILE_R)
     offs_c = tl.arange(0, TILE_C)
-    if AMAX_GIVEN:
-        amax = tl.load(amax_ptr)
+    if SCALE_GIVEN:  # cast only: the scale was computed beforehand (the graph's amax_to_scale, or state)
+        scale = tl.load(scale_ptr + pid_r * stride_sr + pid_c * stride_sc)
+    elif AMAX_GIVEN:
+        scale = _amax_to_scale(tl.load(amax_ptr), FP8_MAX, MARGIN_FACTOR, POWER_OF_TWO)
     else:
         amax = 0.0
         for r0 in range(r_start, r_end, TILE_R):
@@ -231,7 +234,7 @@ def quantize_kernel(
                 m = (rr[:, None] < r_end) & (cc[None, :] < c_end)
                 x = tl.load(x_ptr + rr[:, None] * stride_xr + cc[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, _abs_max(x), propagate_nan=tl.PropagateNan.ALL)
-    scale = _amax_to_scale(amax, FP8_MAX, MARGIN_FACTOR, POWER_OF_TWO)
+        scale = _amax_to_scale(amax, FP8_MAX, MARGIN_FACTOR, POWER_OF_TWO)
     for r0 in range(r_start, r_end, TILE_R):
         for c0 in range(c_start, c_end, TILE_C):
             rr = r0 + offs_r
@@ -240,4 +243,5 @@ def quantize_kernel(
             x = tl.load(x_ptr + rr[:, None] * stride_xr + cc[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
             q = _to_fp8(x * scale, FP8_MAX, MANTISSA_BITS, MIN_EXPONENT)
             tl.store(out_ptr + rr[:, None] * stride_or + cc[None, :] * stride_oc, q.to(out_ptr.dtype.element_ty), mask=m)
-    tl.store(scale_ptr + pid_r * stride_sr + pid_c * stride_sc, scale)
+    if not SCALE_GIVEN:
+        tl.store(scale_ptr + pid_r * stride_sr + pid_c * stride_sc, scale)

@@ -165,11 +165,12 @@ class QuantizeVariant:
     margin: int = 0
     power_of_two: bool = False
     amax_given: bool = False
+    scale_given: bool = False  # a cast with scales computed beforehand
 
     def constexprs(self) -> dict:
         fp8_max, mantissa, min_exp = _FP8_CONSTS[self.out_dtype]
         return dict(
-            AMAX_GIVEN=self.amax_given, FP8_MAX=fp8_max, MARGIN_FACTOR=2.0**self.margin, POWER_OF_TWO=self.power_of_two,
+            AMAX_GIVEN=self.amax_given, SCALE_GIVEN=self.scale_given, FP8_MAX=fp8_max, MARGIN_FACTOR=2.0**self.margin, POWER_OF_TWO=self.power_of_two,
             MANTISSA_BITS=mantissa, MIN_EXPONENT=min_exp,
         )
 
@@ -178,7 +179,7 @@ class QuantizeVariant:
         blk = "t" if not self.block else "x".join(str(v) if v else "all" for v in self.block)
         return f"quantize_{_SHORT[self.in_dtype]}_to_{_SHORT[self.out_dtype]}_s{blk}" + ("_p2" if self.power_of_two else "") + (
             "_amaxin" if self.amax_given else ""
-        )
+        ) + ("_scalein" if self.scale_given else "")
 
 
 @dataclass(frozen=True)

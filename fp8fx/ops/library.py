@@ -1,7 +1,8 @@
 """`torch.library` operators for the explicit amax -> scale -> cast -> FP8 GEMM chain.
 
 Each op is the reference implementation of `reference.py` (which emulates FP8 exactly) plus a
-fake (shape) implementation; on CUDA tensors `scaled_mm` runs `fp8fx.codegen.scaled_mm_cuda`.
+fake (shape) implementation; on CUDA tensors `scaled_mm` runs `fp8fx.codegen.scaled_mm_cuda`,
+and `fp8_gemm` and `cast` run the generated Triton kernels (`fp8fx.codegen.dispatch`).
 The ops have no autograd formula: they are inserted into graphs that are already differentiated
 (the joint graph) or inference-only. `block` arguments describe the granularity (see
 `fp8fx.scaling`): `[]` tensorwise, `[b0, b1]` one scale per b0 x b1 block of the last two dims
@@ -14,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from fp8fx.codegen.dispatch import fp8_gemm_cuda
+from fp8fx.codegen.dispatch import cast_cuda, fp8_gemm_cuda
 from fp8fx.codegen.scaled_mm_cuda import scaled_mm_cuda
 from fp8fx.ops import reference
 from fp8fx.scaling import scale_shape
@@ -22,6 +23,7 @@ from fp8fx.scaling import scale_shape
 amax = custom_op("fp8fx::amax", reference.amax, mutates_args=())
 amax_to_scale = custom_op("fp8fx::amax_to_scale", reference.amax_to_scale, mutates_args=())
 cast = custom_op("fp8fx::cast", reference.cast, mutates_args=())
+cast.register_kernel("cuda")(cast_cuda)
 scaled_mm = custom_op("fp8fx::scaled_mm", reference.scaled_mm, mutates_args=())
 scaled_mm.register_kernel("cuda")(scaled_mm_cuda)
 fp8_gemm = custom_op("fp8fx::fp8_gemm", reference.fp8_gemm, mutates_args=())

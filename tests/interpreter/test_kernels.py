@@ -172,3 +172,15 @@ def test_backend_can_force_the_triton_kernels_through_the_interpreter():
     # rounding boundary when the next layer's input or an incoming gradient is cast.
     for result, ref in zip(*results):
         assert sqnr(result, ref) >= 40  # measured: 52-100 dB
+
+
+@pytest.mark.parametrize("dtype,block", [(E4M3, ()), (E5M2, ()), (E4M3, (1, 0)), (E4M3, (1, 128)), (E5M2, (128, 128)), (E4M3, (0, 1))])
+def test_cast_with_given_scale_is_bit_exact(dtype, block):
+    """fp8fx::cast's CUDA kernel: scales from the graph (amax_to_scale or delayed-scaling state)."""
+    x = wide_range((40, 144), seed=11) * 3  # a scale below amax-derived: some values saturate
+    scale = amax_to_scale(block_amax(x, block), torch.finfo(dtype).max) * 2
+    q = launch.cast(x, scale, dtype, block)
+    assert torch.equal(q.view(torch.uint8), reference.cast(x, scale, dtype, list(block)).view(torch.uint8))
+    if not block:  # N-D tensors, tensorwise: as in the graph, where activations are [batch, seq, dim]
+        x3 = x.reshape(4, 10, 144)
+        assert torch.equal(launch.cast(x3, scale, dtype).view(torch.uint8), reference.cast(x3, scale, dtype, []).view(torch.uint8))
