@@ -106,6 +106,8 @@ def fp8_gemm(
             raise ValueError(f"fp8fx FP8 GEMM: epilogue {epilogue.spec() or 'plain'!r} {'needs' if wanted else 'takes no'} {name}")
         if t is not None:
             _check_2d(name, t, shape)
+    if bias is not None and bias.stride(0) != 1:
+        raise ValueError(f"fp8fx FP8 GEMM: bias must be contiguous, got stride {bias.stride(0)}")
 
     out = torch.empty((m, n), dtype=out_dtype, device=device)
     aux = torch.empty((m, n), dtype=aux_dtype, device=device) if epilogue.aux != "none" else None
