@@ -5,6 +5,7 @@
     print(fp8fx.report(compiled))
 """
 
+from fp8fx.analysis import CoverageError, ModelFileError, analyze, assert_coverage, load_model_file
 from fp8fx.compiler import Fp8fxBackend, backend, report
 from fp8fx.formats import Fp8Format, FormatRecipe
 from fp8fx.policy import GemmPrecisions, Policy, PolicyError, Precision, Rule, Settings, load_policy, policy_from_yaml
@@ -14,6 +15,11 @@ from fp8fx.state import prepare
 __version__ = "0.1.0"
 
 __all__ = [
+    "CoverageError",
+    "ModelFileError",
+    "analyze",
+    "assert_coverage",
+    "load_model_file",
     "Fp8Format",
     "Fp8fxBackend",
     "FormatRecipe",

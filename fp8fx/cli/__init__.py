@@ -64,6 +64,95 @@ def policy_validate(file: Path = typer.Argument(..., help="Policy YAML file.")) 
         typer.echo(f"  rules[{i}]: " + " ".join(parts))
 
 
+@app.command()
+def analyze(
+    model_file: Path = typer.Argument(..., help="Python file defining build_model() (or model) and example_inputs(); optional loss_fn(output) for --train."),
+    policy: Path | None = typer.Option(None, "--policy", help="Precision-policy YAML file."),
+    recipe: str | None = typer.Option(None, "--recipe", help="A named recipe instead of a policy file (see `fp8fx recipes`)."),
+    train: bool = typer.Option(False, "--train", help="Analyse the training step: forward and backward GEMMs."),
+    fmt: str = typer.Option("table", "--format", help="Output format: table or json."),
+    output: Path | None = typer.Option(None, "-o", "--output", help="Write the report to this file instead of standard output."),
+    fail_under: float | None = typer.Option(None, "--fail-under", min=0.0, max=1.0, help="Exit 1 if FP8 covers less than this share (0-1) of GEMM FLOPs."),
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks."),
+) -> None:
+    """Decide every GEMM of a model as compiling would, and print the per-op precision report.
+
+    A model made by build_model() is built on the meta device: shapes only, no weights."""
+    from fp8fx.analysis import CoverageError, ModelFileError, analyze as run_analysis, assert_coverage, load_model_file
+    from fp8fx.policy import Policy, PolicyError, load_policy
+
+    if fmt not in ("table", "json"):
+        _fail(f"--format must be table or json, got {fmt!r}")
+    if policy is not None and recipe is not None:
+        _fail("give --policy or --recipe, not both")
+    try:
+        chosen = load_policy(policy) if policy is not None else Policy.from_recipe(recipe) if recipe is not None else None
+        loaded = load_model_file(model_file)
+        report = run_analysis(loaded.model, loaded.example_inputs, chosen, train=train, loss_fn=loaded.loss_fn)
+    except (PolicyError, ModelFileError) as e:
+        if debug:
+            raise
+        _fail(str(e))
+    except Exception as e:  # noqa: BLE001 - an error inside the user's model: one line unless --debug
+        if debug:
+            raise
+        _fail(f"{model_file}: running the model raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (--debug for the traceback)")
+    text = report.to_json() if fmt == "json" else str(report)
+    if output is not None:
+        output.write_text(text + "\n")
+        typer.echo(f"report written to {output}", err=True)
+    else:
+        typer.echo(text)
+    if fail_under is not None:
+        try:
+            assert_coverage(report, fail_under)
+        except CoverageError as e:
+            _fail(str(e))
+
+
+@app.command()
+def recipes() -> None:
+    """List the named recipes and the settings each one sets."""
+    from fp8fx.policy import RECIPES
+
+    for name, settings in RECIPES.items():
+        typer.echo(f"{name:14s} " + " ".join(f"{k}={v}" for k, v in settings.items()))
+
+
+STARTER_POLICY = """\
+# fp8fx precision policy. Check it with: fp8fx policy validate {path}
+version: 1
+recipe: {recipe}          # tensorwise | rowwise | rowwise_gw_hp | blockwise | delayed | megatron (fp8fx recipes)
+defaults:                 # keys here override the recipe's
+  gemms: {{output: fp8, grad_input: fp8, grad_weight: fp8}}
+rules:                    # first match wins; match a site name or module path (glob, or re:...)
+  - match: "lm_head"      # the output projection is sensitive: keep it in high precision
+    precision: high
+  - match: "*router*"     # MoE routers too
+    precision: high
+"""
+
+
+@policy_app.command("init")
+def policy_init(
+    output: Path = typer.Argument(Path("fp8fx-policy.yaml"), help="Where to write the starter policy."),
+    recipe: str = typer.Option("tensorwise", "--recipe", help="The recipe the policy starts from."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
+) -> None:
+    """Write a commented starter policy file (validated before it is written)."""
+    from fp8fx.policy import PolicyError, policy_from_yaml
+
+    if output.exists() and not force:
+        _fail(f"{output} exists; pass --force to overwrite it")
+    text = STARTER_POLICY.format(path=output, recipe=recipe)
+    try:
+        policy_from_yaml(text, source=str(output))
+    except PolicyError as e:
+        _fail(str(e))
+    output.write_text(text)
+    typer.echo(f"wrote {output} (recipe {recipe})")
+
+
 def main() -> None:
     app(prog_name="fp8fx")
 

@@ -1,0 +1,129 @@
+"""Analysis before training: load a user's model file and run the FP8 passes on it.
+
+The model file convention (what `fp8fx analyze MODEL.py` looks for):
+
+    def build_model() -> nn.Module          # or a module-level `model = ...`
+    def example_inputs() -> tuple            # the model's positional inputs (a tensor is fine)
+    def loss_fn(output) -> Tensor            # optional, for --train; default: output.float().sum()
+
+With `build_model()`, the model is built on the meta device: no weights are allocated and the
+same passes that compile the model decide every GEMM from shapes alone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fp8fx.compiler import backend as make_backend
+from fp8fx.compiler import report as report_of
+from fp8fx.policy import Policy
+from fp8fx.reporting import Report
+
+_BUILD_HINT = "add `def build_model(): return MyModel(...)` (built on the meta device: no weights) or a module-level `model = MyModel(...)`"
+_INPUTS_HINT = "add `def example_inputs(): return (torch.randn(8, 128),)` returning the model's positional inputs"
+
+
+class ModelFileError(Exception):
+    """A model file that cannot be analysed; the message says what to change."""
+
+
+class CoverageError(AssertionError):
+    """FP8 covers less of the GEMM FLOPs than required."""
+
+
+@dataclass
+class ModelFile:
+    path: Path
+    model: nn.Module
+    example_inputs: tuple
+    loss_fn: Callable[[Any], torch.Tensor] | None
+    shape_only: bool  # built on the meta device
+
+
+def _where(exc: BaseException, path: Path) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == path.resolve()]
+    return f" (line {frames[-1].lineno})" if frames else ""
+
+
+def load_model_file(path: str | Path) -> ModelFile:
+    """Import `path` and build its model and inputs by the convention above."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFileError(f"{path}: no such file")
+    spec = importlib.util.spec_from_file_location(f"fp8fx_user_model_{abs(hash(path.resolve()))}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - any error in the user's file becomes one clear line
+        raise ModelFileError(f"{path}: importing it raised {type(e).__name__}: {e}{_where(e, path)}") from e
+    build = getattr(module, "build_model", None)
+    shape_only = callable(build)
+    try:
+        if shape_only:
+            with torch.device("meta"):
+                model = build()
+        else:
+            model = getattr(module, "model", None)
+            if model is None:
+                raise ModelFileError(f"{path}: defines neither build_model() nor model; {_BUILD_HINT}")
+    except ModelFileError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise ModelFileError(f"{path}: build_model() raised {type(e).__name__}: {e}{_where(e, path)}") from e
+    if not isinstance(model, nn.Module):
+        raise ModelFileError(f"{path}: the model is a {type(model).__name__}, not a torch.nn.Module")
+    make_inputs = getattr(module, "example_inputs", None)
+    if not callable(make_inputs):
+        raise ModelFileError(f"{path}: does not define example_inputs(); {_INPUTS_HINT}")
+    try:
+        inputs = make_inputs()
+    except Exception as e:  # noqa: BLE001
+        raise ModelFileError(f"{path}: example_inputs() raised {type(e).__name__}: {e}{_where(e, path)}") from e
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else inputs
+    if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
+        raise ModelFileError(f"{path}: example_inputs() must return a tensor or a tuple of tensors, got {type(inputs).__name__}")
+    if shape_only:
+        inputs = tuple(t.to("meta") for t in inputs)
+    loss_fn = getattr(module, "loss_fn", None)
+    return ModelFile(path, model, tuple(inputs), loss_fn if callable(loss_fn) else None, shape_only)
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    for value in (output, getattr(output, "logits", None), output[0] if isinstance(output, (tuple, list)) and output else None):
+        if isinstance(value, torch.Tensor):
+            return value.float().sum()
+    raise ModelFileError(f"cannot make a loss from the model's output ({type(output).__name__}); define loss_fn(output) in the model file")
+
+
+def analyze(model: nn.Module, example_inputs: tuple, policy: Policy | None = None, train: bool = False, loss_fn=None) -> Report:
+    """Compile `model` with fp8fx (eager inner compiler), run the inputs once (and backward with
+    `train`), and return the report: every GEMM with its decision and reason."""
+    backend = make_backend(policy=policy, inner="eager")
+    compiled = torch.compile(model, backend=backend)
+    if train:
+        (loss_fn or _default_loss)(compiled(*example_inputs)).backward()  # inputs as given: data needs no grad
+    else:
+        with torch.no_grad():
+            compiled(*example_inputs)
+    torch._dynamo.reset()  # the analysis compiles a throwaway copy of the model's code
+    return report_of(backend)
+
+
+def assert_coverage(report: Report, min_fp8_flop_share: float) -> None:
+    """Raise CoverageError if FP8 runs less than `min_fp8_flop_share` of all GEMM FLOPs."""
+    total = sum(op.flops for op in report.ops)
+    share = sum(op.flops for op in report.fp8_ops) / total if total else 0.0
+    if share < min_fp8_flop_share:
+        high = sorted(report.high_ops, key=lambda op: -op.flops)[:5]
+        biggest = ", ".join(f"{op.site}.{op.role} ({op.reason_kind}: {op.reason})" for op in high)
+        raise CoverageError(f"FP8 covers {100 * share:.1f}% of GEMM FLOPs, below the required {100 * min_fp8_flop_share:.1f}%; largest high-precision GEMMs: {biggest}")

@@ -1,0 +1,5 @@
+"""A model file whose import fails."""
+
+import torch
+
+undefined_name + 1  # noqa: F821

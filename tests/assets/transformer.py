@@ -1,0 +1,15 @@
+"""fp8fx's 2-block demo transformer, given as a module-level model (real weights)."""
+
+import torch
+
+from fp8fx.demo import TinyTransformer
+
+model = TinyTransformer(dim=64, heads=4, layers=2, max_seq=32)
+
+
+def example_inputs():
+    return torch.randint(0, 256, (2, 32))
+
+
+def loss_fn(logits):
+    return logits.float().logsumexp(-1).mean()

@@ -1,0 +1,115 @@
+"""`fp8fx analyze`, `fp8fx recipes`, `fp8fx policy init` on real model files (tests/assets)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import fp8fx
+from fp8fx.cli import app
+
+ASSETS = Path(__file__).parent / "assets"
+
+
+def run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_analyze_mlp_table_on_the_meta_device():
+    loaded = fp8fx.load_model_file(ASSETS / "mlp.py")
+    assert loaded.shape_only and next(loaded.model.parameters()).device.type == "meta"  # no weights allocated
+    result = run("analyze", ASSETS / "mlp.py")
+    assert result.exit_code == 0, result.output
+    assert "3/3 GEMMs" not in result.output and "2/3 GEMMs in FP8" in result.output
+    assert "N=10 is not a multiple of 16" in result.output
+
+
+@pytest.mark.parametrize("asset,train,fp8,total", [("mlp.py", True, 5, 8), ("transformer.py", False, 9, 13), ("gpt2.py", True, 27, 39)])
+def test_analyze_json_counts_every_gemm(asset, train, fp8, total):
+    result = run("analyze", ASSETS / asset, "--format", "json", *(["--train"] if train else []))
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)["summary"]
+    assert (summary["fp8_gemms"], summary["gemms"]) == (fp8, total)
+
+
+def test_analyze_with_a_policy_and_output_file(tmp_path):
+    policy = tmp_path / "p.yaml"
+    policy.write_text("version: 1\nrules:\n  - match: '0'\n    precision: high\n")
+    out = tmp_path / "report.json"
+    result = run("analyze", ASSETS / "mlp.py", "--policy", policy, "--format", "json", "-o", out)
+    assert result.exit_code == 0, result.output
+    ops = {op["site"]: op for op in json.loads(out.read_text())["ops"]}
+    assert ops["0"]["precision"] == "high" and ops["0"]["reason_kind"] == "policy"
+
+
+def test_fail_under_exits_1_and_names_the_biggest_high_gemms():
+    assert run("analyze", ASSETS / "mlp.py", "--fail-under", "0.5").exit_code == 0
+    result = run("analyze", ASSETS / "mlp.py", "--fail-under", "0.99")
+    assert result.exit_code == 1 and "below the required 99.0%" in result.output and "4.output (shape" in result.output
+
+
+def test_assert_coverage_library_call():
+    loaded = fp8fx.load_model_file(ASSETS / "mlp.py")
+    report = fp8fx.analyze(loaded.model, loaded.example_inputs)
+    fp8fx.assert_coverage(report, 0.9)
+    with pytest.raises(fp8fx.CoverageError, match="FP8 covers 9"):
+        fp8fx.assert_coverage(report, 1.0)
+
+
+@pytest.mark.parametrize(
+    "asset,message",
+    [
+        ("no_inputs.py", "does not define example_inputs(); add `def example_inputs(): return (torch.randn(8, 128),)`"),
+        ("import_error.py", "importing it raised NameError: name 'undefined_name' is not defined (line 5)"),
+        ("missing.py", "missing.py: no such file"),
+        ("buggy.py", "running the model raised"),
+    ],
+)
+def test_bad_model_files_give_one_line_and_exit_1(asset, message):
+    result = run("analyze", ASSETS / asset)
+    assert result.exit_code == 1
+    assert message in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_debug_shows_the_traceback():
+    result = run("analyze", ASSETS / "buggy.py", "--debug")
+    assert result.exit_code == 1 and isinstance(result.exception, Exception)
+
+
+def test_model_file_without_a_model(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import torch\ndef example_inputs():\n    return torch.randn(2, 2)\n")
+    result = run("analyze", f)
+    assert result.exit_code == 1 and "defines neither build_model() nor model" in result.output
+
+
+def test_bad_format_and_both_policy_sources(tmp_path):
+    assert "--format must be table or json" in run("analyze", ASSETS / "mlp.py", "--format", "xml").output
+    assert "not both" in run("analyze", ASSETS / "mlp.py", "--policy", tmp_path / "p.yaml", "--recipe", "rowwise").output
+    assert "unknown recipe 'fast'" in run("analyze", ASSETS / "mlp.py", "--recipe", "fast").output
+
+
+def test_recipes_lists_every_recipe():
+    result = run("recipes")
+    assert result.exit_code == 0
+    assert [line.split()[0] for line in result.output.splitlines()] == list(fp8fx.policy.RECIPES)
+
+
+@pytest.mark.parametrize("recipe", list(fp8fx.policy.RECIPES))
+def test_policy_init_writes_a_valid_policy(tmp_path, recipe):
+    out = tmp_path / "policy.yaml"
+    assert run("policy", "init", out, "--recipe", recipe).exit_code == 0
+    policy = fp8fx.load_policy(out)
+    assert policy.resolve(["lm_head"], "mm").rule_index == 0 and policy.rules[0].precision.value == "high"
+    assert run("policy", "init", out).exit_code == 1  # no silent overwrite
+    assert run("policy", "validate", out).exit_code == 0
+
+
+def test_policy_init_rejects_unknown_recipe(tmp_path):
+    result = run("policy", "init", tmp_path / "p.yaml", "--recipe", "nope")
+    assert result.exit_code == 1 and "unknown recipe" in result.output and not (tmp_path / "p.yaml").exists()
