@@ -105,18 +105,82 @@ def _default_loss(output: Any) -> torch.Tensor:
     raise ModelFileError(f"cannot make a loss from the model's output ({type(output).__name__}); define loss_fn(output) in the model file")
 
 
-def analyze(model: nn.Module, example_inputs: tuple, policy: Policy | None = None, train: bool = False, loss_fn=None) -> Report:
+OP_KINDS = ("mm", "addmm", "bmm", "baddbmm", "sdpa")
+
+
+def _structure(module: nn.Module) -> tuple:
+    return (
+        tuple((name, type(m).__name__) for name, m in module.named_modules()),
+        tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters()),
+    )
+
+
+def _foldable_blocks(model: nn.Module, policy: Policy) -> list[tuple[str, nn.Module, str, nn.ModuleList]]:
+    """ModuleLists of identical blocks whose every module the policy treats alike: tracing the
+    first block decides them all. Returns (list FQN, parent module, attribute name, list)."""
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2 or not name:
+            continue
+        first = _structure(module[0])
+        if any(_structure(block) != first for block in module):
+            continue
+        subs = [sub for sub, _ in module[0].named_modules()]
+
+        def decisions(i: int) -> list:
+            fqns = [f"{name}.{i}" + (f".{sub}" if sub else "") for sub in subs]
+            return [(r.rule_index, r.settings) for fqn in fqns for op in OP_KINDS for r in [policy.resolve((fqn, fqn), op)]]
+
+        reference = decisions(0)
+        if all(decisions(i) == reference for i in range(1, len(module))):
+            parent_name, _, attr = name.rpartition(".")
+            found.append((name, model.get_submodule(parent_name), attr, module))
+    return found
+
+
+def _renamed(op, prefix: str, new_prefix: str):
+    from dataclasses import replace
+
+    def swap(text: str) -> str:
+        return new_prefix + text[len(prefix) :] if text == prefix or text.startswith(prefix + ".") or text.startswith(prefix + ":") else text
+
+    return replace(op, site=swap(op.site), fqn=swap(op.fqn))
+
+
+def analyze(
+    model: nn.Module, example_inputs: tuple, policy: Policy | None = None, train: bool = False, loss_fn=None, fold_repeated: bool = True
+) -> Report:
     """Compile `model` with fp8fx (eager inner compiler), run the inputs once (and backward with
-    `train`), and return the report: every GEMM with its decision and reason."""
-    backend = make_backend(policy=policy, inner="eager")
-    compiled = torch.compile(model, backend=backend)
-    if train:
-        (loss_fn or _default_loss)(compiled(*example_inputs)).backward()  # inputs as given: data needs no grad
-    else:
-        with torch.no_grad():
-            compiled(*example_inputs)
-    torch._dynamo.reset()  # the analysis compiles a throwaway copy of the model's code
-    return report_of(backend)
+    `train`), and return the report: every GEMM with its decision and reason.
+
+    `fold_repeated`: a stack of identical blocks (a transformer's layers) that the policy treats
+    alike is traced through its first block only; the other blocks' records are copies of it
+    under their own names. A stack the policy tells apart (a rule for `layers.0`, say) is traced whole."""
+    policy = policy or Policy()
+    folded = _foldable_blocks(model, policy) if fold_repeated else []
+    for _, parent, attr, blocks in folded:
+        setattr(parent, attr, nn.ModuleList(blocks[:1]))
+    try:
+        backend = make_backend(policy=policy, inner="eager")
+        compiled = torch.compile(model, backend=backend)
+        if train:
+            (loss_fn or _default_loss)(compiled(*example_inputs)).backward()  # inputs as given: data needs no grad
+        else:
+            with torch.no_grad():
+                compiled(*example_inputs)
+    finally:
+        for _, parent, attr, blocks in folded:
+            setattr(parent, attr, blocks)
+        torch._dynamo.reset()  # the analysis compiled a throwaway copy of the model's code
+    report = report_of(backend)
+    ops = []
+    for op in report.ops:
+        ops.append(op)
+        for name, _, _, blocks in folded:
+            first = f"{name}.0"
+            if op.fqn == first or op.fqn.startswith(first + "."):
+                ops += [_renamed(op, first, f"{name}.{i}") for i in range(1, len(blocks))]
+    return Report(ops, folded={name: len(blocks) for name, _, _, blocks in folded})
 
 
 def assert_coverage(report: Report, min_fp8_flop_share: float) -> None:

@@ -130,8 +130,10 @@ def _scaling_text(op: OpRecord) -> str:
 class Report:
     """All GEMM decisions of one model (or one backend), with a summary."""
 
-    def __init__(self, ops: list[OpRecord]):
+    def __init__(self, ops: list[OpRecord], folded: dict[str, int] | None = None):
         self.ops = list(ops)
+        # Analysis of repeated blocks: list FQN -> blocks whose records copy the first block's.
+        self.folded = dict(folded or {})
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -159,6 +161,7 @@ class Report:
             "fp8_flop_share_forward": share([op for op in self.ops if not op.backward]),
             "fp8_flop_share_backward": share([op for op in self.ops if op.backward]),
             "fallbacks_by_reason": dict(Counter(op.reason_kind for op in self.high_ops)),
+            "folded_blocks": self.folded,
             "fused_epilogues": sum(bool(op.epilogue) for op in self.fp8_ops),
             "memory_passes_added": sum(op.memory_passes_added or 0 for op in self.fp8_ops),
             "memory_passes_saved": sum(op.memory_passes_saved or 0 for op in self.fp8_ops),
