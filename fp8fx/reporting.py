@@ -176,11 +176,11 @@ class Report:
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
-    def table(self) -> str:
-        """A fixed-width table, one row per GEMM, then the summary."""
+    _COLUMNS = ("graph", "site", "op", "role", "M", "N", "K", "FLOP %", "prec", "formats", "scaling", "epilogue", "passes +/-", "reason")
+
+    def _rows(self) -> list[tuple[str, ...]]:
         total = sum(op.flops for op in self.ops) or 1
-        header = ("graph", "site", "op", "role", "M", "N", "K", "FLOP %", "prec", "formats", "scaling", "epilogue", "passes +/-", "reason")
-        rows = [
+        return [
             (
                 str(op.graph),
                 op.site,
@@ -199,25 +199,41 @@ class Report:
             )
             for op in self.ops
         ]
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
-        lines = []
-        for r in [header, *rows]:
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
-        lines.insert(1, "-" * min(160, max(len(line) for line in lines)))
+
+    def _summary_lines(self) -> list[str]:
         s = self.summary()
 
         def pct(x: float | None) -> str:
             return "n/a" if x is None else f"{100 * x:.1f}%"
 
-        lines.append("")
-        lines.append(
+        lines = [
             f"{s['fp8_gemms']}/{s['gemms']} GEMMs in FP8 over {s['graphs']} graph(s); "
             f"FP8 share of GEMM FLOPs: forward {pct(s['fp8_flop_share_forward'])}, backward {pct(s['fp8_flop_share_backward'])}"
-        )
+        ]
         if s["fallbacks_by_reason"]:
             lines.append("kept high: " + ", ".join(f"{k} {v}" for k, v in sorted(s["fallbacks_by_reason"].items())))
         if s["non_finite_amax_events"]:
             lines.append("non-finite amax (scale kept): " + ", ".join(f"{k} {v}" for k, v in s["non_finite_amax_events"].items()))
+        if s["folded_blocks"]:
+            lines.append("repeated blocks traced once: " + ", ".join(f"{k} x{v}" for k, v in s["folded_blocks"].items()))
+        return lines
+
+    def table(self) -> str:
+        """A fixed-width table, one row per GEMM, then the summary."""
+        header, rows = self._COLUMNS, self._rows()
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in [header, *rows]]
+        lines.insert(1, "-" * min(160, max(len(line) for line in lines)))
+        return "\n".join([*lines, "", *self._summary_lines()])
+
+    def markdown(self) -> str:
+        """A GitHub-flavoured Markdown table, one row per GEMM, then the summary as a list."""
+
+        def cells(row) -> str:
+            return "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |"
+
+        lines = ["# fp8fx precision report", "", *(f"- {line}" for line in self._summary_lines()), ""]
+        lines += [cells(self._COLUMNS), "|" + "---|" * len(self._COLUMNS), *(cells(r) for r in self._rows())]
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -89,7 +89,7 @@ def test_model_file_without_a_model(tmp_path):
 
 
 def test_bad_format_and_both_policy_sources(tmp_path):
-    assert "--format must be table or json" in run("analyze", ASSETS / "mlp.py", "--format", "xml").output
+    assert "--format must be table, json or md" in run("analyze", ASSETS / "mlp.py", "--format", "xml").output
     assert "not both" in run("analyze", ASSETS / "mlp.py", "--policy", tmp_path / "p.yaml", "--recipe", "rowwise").output
     assert "unknown recipe 'fast'" in run("analyze", ASSETS / "mlp.py", "--recipe", "fast").output
 
@@ -156,3 +156,12 @@ def test_a_7b_shaped_llama_is_analysed_forward_and_backward_in_under_a_minute():
     assert time.perf_counter() - start < 60
     assert report.folded == {"model.layers": 32}
     assert len(report.ops) == 32 * 27 + 3  # per layer: 7 linear sites x 3 GEMMs + attention; plus lm_head
+
+
+def test_markdown_report_has_one_row_per_gemm():
+    result = run("analyze", ASSETS / "mlp.py", "--train", "--format", "md")
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + 8  # header + every GEMM
+    assert rows[0].startswith("| graph | site |") and "- 5/8 GEMMs in FP8" in result.stdout
+    assert all(row.count(" | ") == rows[0].count(" | ") for row in rows)  # no cell breaks the table

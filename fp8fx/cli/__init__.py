@@ -70,7 +70,7 @@ def analyze(
     policy: Path | None = typer.Option(None, "--policy", help="Precision-policy YAML file."),
     recipe: str | None = typer.Option(None, "--recipe", help="A named recipe instead of a policy file (see `fp8fx recipes`)."),
     train: bool = typer.Option(False, "--train", help="Analyse the training step: forward and backward GEMMs."),
-    fmt: str = typer.Option("table", "--format", help="Output format: table or json."),
+    fmt: str = typer.Option("table", "--format", help="Output format: table, json or md (Markdown)."),
     output: Path | None = typer.Option(None, "-o", "--output", help="Write the report to this file instead of standard output."),
     fail_under: float | None = typer.Option(None, "--fail-under", min=0.0, max=1.0, help="Exit 1 if FP8 covers less than this share (0-1) of GEMM FLOPs."),
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks."),
@@ -81,8 +81,8 @@ def analyze(
     from fp8fx.analysis import CoverageError, ModelFileError, analyze as run_analysis, assert_coverage, load_model_file
     from fp8fx.policy import Policy, PolicyError, load_policy
 
-    if fmt not in ("table", "json"):
-        _fail(f"--format must be table or json, got {fmt!r}")
+    if fmt not in ("table", "json", "md"):
+        _fail(f"--format must be table, json or md, got {fmt!r}")
     if policy is not None and recipe is not None:
         _fail("give --policy or --recipe, not both")
     try:
@@ -97,7 +97,7 @@ def analyze(
         if debug:
             raise
         _fail(f"{model_file}: running the model raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (--debug for the traceback)")
-    text = report.to_json() if fmt == "json" else str(report)
+    text = {"json": report.to_json, "md": report.markdown, "table": report.table}[fmt]()
     if output is not None:
         output.write_text(text + "\n")
         typer.echo(f"report written to {output}", err=True)
