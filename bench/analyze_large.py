@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import argparse
 import resource
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import fp8fx
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))  # the model builders the tests use
 
 SHAPES = {  # layers, hidden, intermediate, heads, kv heads, vocab
     "70b": (80, 8192, 28672, 64, 8, 128256),
@@ -24,15 +28,9 @@ SHAPES = {  # layers, hidden, intermediate, heads, kv heads, vocab
 
 
 def build(name: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from helpers import meta_llama
 
-    layers, hidden, inter, heads, kv, vocab = SHAPES[name]
-    cfg = LlamaConfig(
-        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, vocab_size=vocab, use_cache=False,
-    )  # fmt: skip
-    with torch.device("meta"):
-        return LlamaForCausalLM(cfg)
+    return meta_llama(*SHAPES[name])
 
 
 def main() -> None:

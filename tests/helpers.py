@@ -86,3 +86,15 @@ def tiny_llama():
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256
     )
     return LlamaForCausalLM(cfg)
+
+
+def meta_llama(layers: int, hidden: int = 128, inter: int = 256, heads: int = 4, kv: int = 2, vocab: int = 512):
+    """A `transformers` Llama built on the meta device (shapes only, no weights), without KV cache."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, vocab_size=vocab, use_cache=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)

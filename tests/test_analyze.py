@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 import fp8fx
 from fp8fx.cli import app
+from helpers import meta_llama
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -115,25 +116,14 @@ def test_policy_init_rejects_unknown_recipe(tmp_path):
     assert result.exit_code == 1 and "unknown recipe" in result.output and not (tmp_path / "p.yaml").exists()
 
 
-def _meta_llama(layers, hidden=128, inter=256, heads=4, kv=2, vocab=512):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, vocab_size=vocab, use_cache=False,
-    )  # fmt: skip
-    with torch.device("meta"):
-        return LlamaForCausalLM(cfg)
-
-
 def _records(report):
     return sorted((op.site, op.role, op.precision, op.reason_kind, op.flops, op.epilogue or "") for op in report.ops)
 
 
 def test_folding_repeated_layers_gives_the_same_report():
     ids = torch.zeros(2, 64, dtype=torch.long, device="meta")
-    folded = fp8fx.analyze(_meta_llama(4), (ids,), train=True)
-    whole = fp8fx.analyze(_meta_llama(4), (ids,), train=True, fold_repeated=False)
+    folded = fp8fx.analyze(meta_llama(4), (ids,), train=True)
+    whole = fp8fx.analyze(meta_llama(4), (ids,), train=True, fold_repeated=False)
     assert folded.folded == {"model.layers": 4} and whole.folded == {}
     assert _records(folded) == _records(whole) and len(folded.ops) == 111
 
@@ -141,7 +131,7 @@ def test_folding_repeated_layers_gives_the_same_report():
 def test_a_policy_that_tells_layers_apart_is_not_folded():
     policy = fp8fx.policy_from_yaml("version: 1\nrules:\n  - match: 'model.layers.0.*'\n    precision: high\n")
     ids = torch.zeros(2, 64, dtype=torch.long, device="meta")
-    report = fp8fx.analyze(_meta_llama(3), (ids,), policy)
+    report = fp8fx.analyze(meta_llama(3), (ids,), policy)
     assert report.folded == {}
     high = {op.fqn for op in report.high_ops if op.reason_kind == "policy"}
     assert high and all(f.startswith("model.layers.0.") for f in high)
@@ -151,7 +141,7 @@ def test_a_7b_shaped_llama_is_analysed_forward_and_backward_in_under_a_minute():
     import time
 
     start = time.perf_counter()
-    model = _meta_llama(32, hidden=4096, inter=11008, heads=32, kv=32, vocab=32000)
+    model = meta_llama(32, hidden=4096, inter=11008, heads=32, kv=32, vocab=32000)
     report = fp8fx.analyze(model, (torch.zeros(1, 2048, dtype=torch.long, device="meta"),), train=True)
     assert time.perf_counter() - start < 60
     assert report.folded == {"model.layers": 32}

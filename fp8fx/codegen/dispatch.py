@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fp8fx.codegen.scaled_mm_cuda import scaled_mm_2d
 from fp8fx.codegen.variants import Epilogue
 
 
@@ -38,16 +39,10 @@ def fp8_gemm_cuda(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_sca
 
     if kernel == "scaled_mm":  # cuBLASLt GEMM, then the epilogue as separate torch ops
         return reference.fp8_gemm_epilogue_after(
-            scaled_mm_2d_any(a, b, scale_inv_a, scale_inv_b, block_a, block_b),
+            scaled_mm_2d(a, b, scale_inv_a, scale_inv_b, torch.float32, block_a, block_b),
             bias, other, residual, out_scale, out_dtype, aux_dtype, Epilogue.parse(epilogue),
         )  # fmt: skip
     return fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, Epilogue.parse(epilogue))
-
-
-def scaled_mm_2d_any(a, b, scale_inv_a, scale_inv_b, block_a, block_b) -> Tensor:
-    from fp8fx.codegen.scaled_mm_cuda import scaled_mm_2d
-
-    return scaled_mm_2d(a, b, scale_inv_a, scale_inv_b, torch.float32, block_a, block_b)
 
 
 def cast_cuda(x: Tensor, scale: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:

@@ -41,7 +41,7 @@ def _check_device(tensors: dict[str, Tensor | None]) -> torch.device:
     return device
 
 
-def _check_2d(name: str, t: Tensor, shape: tuple) -> None:
+def _check_shape(name: str, t: Tensor, shape: tuple) -> None:
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"fp8fx FP8 GEMM: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
@@ -105,7 +105,7 @@ def fp8_gemm(
         if wanted != (t is not None):
             raise ValueError(f"fp8fx FP8 GEMM: epilogue {epilogue.spec() or 'plain'!r} {'needs' if wanted else 'takes no'} {name}")
         if t is not None:
-            _check_2d(name, t, shape)
+            _check_shape(name, t, shape)
     if bias is not None and bias.stride(0) != 1:
         raise ValueError(f"fp8fx FP8 GEMM: bias must be contiguous, got stride {bias.stride(0)}")
 
@@ -142,8 +142,21 @@ def configs_for_interpreter(variant: GemmVariant) -> TileConfig:
     return replace(c, block_k=math.gcd(c.block_k, variant.k_block)) if variant.k_block else c
 
 
-def _tile(block_dim: int, cap: int) -> int:
-    return 1 if block_dim == 1 else min(triton.next_power_of_2(block_dim) if block_dim else cap, cap)
+def _launch_quantize(x: Tensor, out: Tensor, scale: Tensor, amax: Tensor, variant: QuantizeVariant) -> None:
+    """One `quantize_kernel` launch over 2-D `x` (scales per block, or one shared: strides 0)."""
+    b0, b1, tile_r, tile_c = variant.blocking()
+    (r, c), block = x.shape, variant.block
+    scale_strides = (scale.stride(0), scale.stride(1)) if block else (0, 0)
+    grid = (triton.cdiv(r, b0) if b0 else 1, triton.cdiv(c, b1) if b1 else 1)
+    quantize_kernel[grid](
+        x, out, scale, amax, r, c, x.stride(0), x.stride(1), out.stride(0), out.stride(1), *scale_strides,
+        ROW_BLOCK=b0, COL_BLOCK=b1, TILE_R=tile_r, TILE_C=tile_c, **variant.constexprs(),
+    )  # fmt: skip
+
+
+def _empty_fp8(rows: int, cols: int, dtype: torch.dtype, device: torch.device, transpose: bool) -> Tensor:
+    """[rows, cols] FP8 output, row-major or (transpose) column-major."""
+    return torch.empty((cols, rows), dtype=dtype, device=device).t() if transpose else torch.empty((rows, cols), dtype=dtype, device=device)
 
 
 def quantize(
@@ -171,27 +184,13 @@ def quantize(
         raise ValueError(f"fp8fx quantize: block must be () or (rows, cols), got {block}")
     variant = QuantizeVariant(x.dtype, dtype, block, margin, power_of_two, amax_given=not block)  # tensorwise: amax first
     r, c = x.shape
-    out = torch.empty((c, r), dtype=dtype, device=device).t() if transpose else torch.empty((r, c), dtype=dtype, device=device)
-    consts = variant.constexprs()
-    if not block:  # tensorwise: amax over the whole tensor first, then many programs cast with it
-        tile_r, tile_c = 32, 128
-        if amax is None:
-            amax = torch.zeros((), dtype=torch.float32, device=device)
-            amax_kernel[(triton.cdiv(r, tile_r), triton.cdiv(c, tile_c))](x, amax, r, c, x.stride(0), x.stride(1), TILE_R=tile_r, TILE_C=tile_c)
-        scale = torch.empty((), dtype=torch.float32, device=device)
-        grid = (triton.cdiv(r, tile_r), triton.cdiv(c, tile_c))
-        quantize_kernel[grid](
-            x, out, scale, amax.reshape(()), r, c, x.stride(0), x.stride(1), out.stride(0), out.stride(1), 0, 0,
-            ROW_BLOCK=tile_r, COL_BLOCK=tile_c, TILE_R=tile_r, TILE_C=tile_c, **consts,
-        )  # fmt: skip
-        return out, scale
-    b0, b1 = block
+    out = _empty_fp8(r, c, dtype, device, transpose)
     scale = torch.empty(scale_shape(x.shape, block), dtype=torch.float32, device=device)
-    grid = (triton.cdiv(r, b0) if b0 else 1, triton.cdiv(c, b1) if b1 else 1)
-    quantize_kernel[grid](
-        x, out, scale, scale, r, c, x.stride(0), x.stride(1), out.stride(0), out.stride(1), scale.stride(0), scale.stride(1),
-        ROW_BLOCK=b0, COL_BLOCK=b1, TILE_R=_tile(b0, 32), TILE_C=_tile(b1, 128), **consts,
-    )  # fmt: skip
+    if not block and amax is None:  # tensorwise: amax over the whole tensor first
+        amax = torch.zeros((), dtype=torch.float32, device=device)
+        _, _, tile_r, tile_c = variant.blocking()
+        amax_kernel[(triton.cdiv(r, tile_r), triton.cdiv(c, tile_c))](x, amax, r, c, x.stride(0), x.stride(1), TILE_R=tile_r, TILE_C=tile_c)
+    _launch_quantize(x, out, scale, amax.reshape(()) if amax is not None else scale, variant)
     return out, scale
 
 
@@ -208,14 +207,6 @@ def cast(x: Tensor, scale: Tensor, dtype: torch.dtype, block: tuple = (), *, tra
     scale2 = scale.reshape(-1, scale.shape[-1]) if block else scale
     if tuple(scale2.shape) != tuple(scale_shape(x2.shape, block)) or scale.dtype != torch.float32:
         raise ValueError(f"fp8fx cast: scale must be fp32 of shape {tuple(scale_shape(x.shape, block))}, got {scale.dtype} {tuple(scale.shape)}")
-    r, c = x2.shape
-    out = torch.empty((c, r), dtype=dtype, device=device).t() if transpose else torch.empty((r, c), dtype=dtype, device=device)
-    consts = QuantizeVariant(x.dtype, dtype, block, scale_given=True).constexprs()
-    b0, b1 = block or (32, 128)
-    s_strides = (scale2.stride(0), scale2.stride(1)) if block else (0, 0)
-    grid = (triton.cdiv(r, b0) if b0 else 1, triton.cdiv(c, b1) if b1 else 1)
-    quantize_kernel[grid](
-        x2, out, scale2, scale2, r, c, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1), *s_strides,
-        ROW_BLOCK=b0, COL_BLOCK=b1, TILE_R=_tile(b0, 32), TILE_C=_tile(b1, 128), **consts,
-    )  # fmt: skip
+    out = _empty_fp8(*x2.shape, dtype, device, transpose)
+    _launch_quantize(x2, out, scale2, scale2, QuantizeVariant(x.dtype, dtype, block, scale_given=True))
     return out if transpose else out.reshape(x.shape)

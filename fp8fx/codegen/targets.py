@@ -99,11 +99,9 @@ def build_gemm(variant: GemmVariant, arch: str, config: TileConfig) -> BuildResu
 
 
 def build_quantize(variant: QuantizeVariant, arch: str) -> BuildResult:
-    b0, b1 = variant.block or (32, 128)
-    config = TileConfig(1 if b0 == 1 else 32, 1, 1 if b1 == 1 else 128, 1, 4, 1)  # (tile_r, -, tile_c): see launch.quantize
-    constexprs = {
-        **variant.constexprs(), "ROW_BLOCK": b0, "COL_BLOCK": b1, "TILE_R": config.block_m, "TILE_C": config.block_k, "stride_xc": 1,
-    }  # fmt: skip
+    b0, b1, tile_r, tile_c = variant.blocking()  # as the launcher runs it
+    config = TileConfig(tile_r, 1, tile_c, 1, 4, 1)  # (tile_r, -, tile_c), for the report
+    constexprs = {**variant.constexprs(), "ROW_BLOCK": b0, "COL_BLOCK": b1, "TILE_R": tile_r, "TILE_C": tile_c, "stride_xc": 1}
     pointers = dict(x_ptr=_PTR[variant.in_dtype], out_ptr=_PTR[variant.out_dtype], scale_ptr="*fp32", amax_ptr="*fp32")
     signature = _signature(quantize_kernel, pointers, constexprs)
     kernel = _compile(quantize_kernel, signature, constexprs, arch, 4, 1, aligned=("C", "stride_xr", "stride_or"))

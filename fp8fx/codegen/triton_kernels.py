@@ -195,6 +195,14 @@ def _amax_to_scale(amax, FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, POW
 
 
 @triton.jit
+def _load_tile(x_ptr, rr, cc, r_end, c_end, stride_xr, stride_xc):
+    """Rows `rr` x columns `cc` of x as fp32 (zeros past the block's end), with the mask."""
+    m = (rr[:, None] < r_end) & (cc[None, :] < c_end)
+    x = tl.load(x_ptr + rr[:, None] * stride_xr + cc[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
+    return x, rr, cc, m
+
+
+@triton.jit
 def quantize_kernel(
     x_ptr, out_ptr, scale_ptr, amax_ptr,
     R, C,
@@ -229,18 +237,12 @@ def quantize_kernel(
         amax = 0.0
         for r0 in range(r_start, r_end, TILE_R):
             for c0 in range(c_start, c_end, TILE_C):
-                rr = r0 + offs_r
-                cc = c0 + offs_c
-                m = (rr[:, None] < r_end) & (cc[None, :] < c_end)
-                x = tl.load(x_ptr + rr[:, None] * stride_xr + cc[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
+                x, rr, cc, m = _load_tile(x_ptr, r0 + offs_r, c0 + offs_c, r_end, c_end, stride_xr, stride_xc)
                 amax = tl.maximum(amax, _abs_max(x), propagate_nan=tl.PropagateNan.ALL)
         scale = _amax_to_scale(amax, FP8_MAX, MARGIN_FACTOR, POWER_OF_TWO)
     for r0 in range(r_start, r_end, TILE_R):
         for c0 in range(c_start, c_end, TILE_C):
-            rr = r0 + offs_r
-            cc = c0 + offs_c
-            m = (rr[:, None] < r_end) & (cc[None, :] < c_end)
-            x = tl.load(x_ptr + rr[:, None] * stride_xr + cc[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
+            x, rr, cc, m = _load_tile(x_ptr, r0 + offs_r, c0 + offs_c, r_end, c_end, stride_xr, stride_xc)
             q = _to_fp8(x * scale, FP8_MAX, MANTISSA_BITS, MIN_EXPONENT)
             tl.store(out_ptr + rr[:, None] * stride_or + cc[None, :] * stride_oc, q.to(out_ptr.dtype.element_ty), mask=m)
     if not SCALE_GIVEN:

@@ -167,6 +167,16 @@ class QuantizeVariant:
     amax_given: bool = False
     scale_given: bool = False  # a cast with scales computed beforehand
 
+    def blocking(self) -> tuple[int, int, int, int]:
+        """(ROW_BLOCK, COL_BLOCK, TILE_R, TILE_C) of the launch: one program per scale block, each
+        walking it in tiles; tensorwise runs 32 x 128 blocks that share one scale."""
+        b0, b1 = self.block or (32, 128)
+
+        def tile(b: int, cap: int) -> int:
+            return 1 if b == 1 else min(1 << (b - 1).bit_length() if b else cap, cap)
+
+        return b0, b1, tile(b0, 32), tile(b1, 128)
+
     def constexprs(self) -> dict:
         fp8_max, mantissa, min_exp = _FP8_CONSTS[self.out_dtype]
         return dict(
