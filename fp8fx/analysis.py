@@ -12,11 +12,12 @@ same passes that compile the model decide every GEMM from shapes alone.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,10 @@ from torch import nn
 
 from fp8fx.compiler import backend as make_backend
 from fp8fx.compiler import report as report_of
+from fp8fx.numerics import NumericsCollector, collecting
 from fp8fx.policy import Policy
 from fp8fx.reporting import Report
+from fp8fx.state import prepare
 
 _BUILD_HINT = "add `def build_model(): return MyModel(...)` (built on the meta device: no weights) or a module-level `model = MyModel(...)`"
 _INPUTS_HINT = "add `def example_inputs(): return (torch.randn(8, 128),)` returning the model's positional inputs"
@@ -139,40 +142,77 @@ def _foldable_blocks(model: nn.Module, policy: Policy) -> list[tuple[str, nn.Mod
 
 
 def _renamed(op, prefix: str, new_prefix: str):
-    from dataclasses import replace
-
     def swap(text: str) -> str:
         return new_prefix + text[len(prefix) :] if text == prefix or text.startswith(prefix + ".") or text.startswith(prefix + ":") else text
 
     return replace(op, site=swap(op.site), fqn=swap(op.fqn))
 
 
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+def _compile_and_run(model, batches, policy, train, loss_fn, collector, progress, stage) -> Report:
+    backend = make_backend(policy=policy, inner="eager")
+    backend.numerics = collector
+    compiled = torch.compile(model, backend=backend)
+    try:
+        with collecting(collector) if collector else contextlib.nullcontext():
+            for i, batch in enumerate(batches):
+                if progress:
+                    progress(stage, i, len(batches))
+                if train:
+                    (loss_fn or _default_loss)(compiled(*batch)).backward()  # inputs as given: data needs no grad
+                else:
+                    with torch.no_grad():
+                        compiled(*batch)
+    finally:
+        torch._dynamo.reset()  # the analysis compiled a throwaway copy of the model's code
+    if progress:
+        progress(stage, len(batches), len(batches))
+    return report_of(backend)
+
+
 def analyze(
-    model: nn.Module, example_inputs: tuple, policy: Policy | None = None, train: bool = False, loss_fn=None, fold_repeated: bool = True
+    model: nn.Module,
+    example_inputs: tuple,
+    policy: Policy | None = None,
+    train: bool = False,
+    loss_fn=None,
+    fold_repeated: bool = True,
+    calibration: list[tuple] | None = None,
+    progress: Progress | None = None,
 ) -> Report:
     """Compile `model` with fp8fx (eager inner compiler), run the inputs once (and backward with
     `train`), and return the report: every GEMM with its decision and reason.
 
     `fold_repeated`: a stack of identical blocks (a transformer's layers) that the policy treats
     alike is traced through its first block only; the other blocks' records are copies of it
-    under their own names. A stack the policy tells apart (a rule for `layers.0`, say) is traced whole."""
+    under their own names. A stack the policy tells apart (a rule for `layers.0`, say) is traced whole.
+
+    `calibration`: batches (tuples of real inputs) to measure numerics on (`fp8fx.numerics`); the
+    model must hold real weights. A second, probed run measures them (so the report itself comes
+    from the same passes as a compile); each record's `numerics` then holds its operands' amax,
+    scale, underflow and saturation and its SQNR, for the policy's decision and every named recipe.
+
+    `progress(stage, done, total)` is called as batches run. A policy with delayed scaling calls
+    `fp8fx.prepare(model)`: the model gets its scaling state."""
     policy = policy or Policy()
+    if calibration is not None:
+        if not calibration:
+            raise ValueError("fp8fx.analyze: calibration holds no batch")
+        if any(p.device.type == "meta" for p in model.parameters()):
+            raise ValueError("fp8fx.analyze: numerics need real weights, but the model is on the meta device")
+        fold_repeated = False  # the blocks' values differ
+    if policy.uses_delayed_scaling:
+        prepare(model)  # delayed scaling keeps its state in the model
     folded = _foldable_blocks(model, policy) if fold_repeated else []
     for _, parent, attr, blocks in folded:
         setattr(parent, attr, nn.ModuleList(blocks[:1]))
     try:
-        backend = make_backend(policy=policy, inner="eager")
-        compiled = torch.compile(model, backend=backend)
-        if train:
-            (loss_fn or _default_loss)(compiled(*example_inputs)).backward()  # inputs as given: data needs no grad
-        else:
-            with torch.no_grad():
-                compiled(*example_inputs)
+        report = _compile_and_run(model, [example_inputs], policy, train, loss_fn, None, progress, "analysis")
     finally:
         for _, parent, attr, blocks in folded:
             setattr(parent, attr, blocks)
-        torch._dynamo.reset()  # the analysis compiled a throwaway copy of the model's code
-    report = report_of(backend)
     ops = []
     for op in report.ops:
         ops.append(op)
@@ -180,7 +220,29 @@ def analyze(
             first = f"{name}.0"
             if op.fqn == first or op.fqn.startswith(first + "."):
                 ops += [_renamed(op, first, f"{name}.{i}") for i in range(1, len(blocks))]
-    return Report(ops, folded={name: len(blocks) for name, _, _, blocks in folded})
+    if calibration is not None:
+        collector = NumericsCollector()
+        _compile_and_run(model, calibration, policy, train, loss_fn, collector, progress, "numerics")
+        measured = collector.results()
+        ops = [replace(op, numerics=measured.get((op.graph, op.site, op.role))) for op in ops]
+
+    def unfolded(per_fqn: dict[str, int]) -> dict[str, int]:
+        out = dict(per_fqn)
+        for name, _, _, blocks in folded:
+            first = f"{name}.0"
+            for fqn, n in per_fqn.items():
+                if fqn == first or fqn.startswith(first + "."):
+                    out.update({f"{name}.{i}" + fqn[len(first) :]: n for i in range(1, len(blocks))})
+        return out
+
+    training = report.saved_bytes is not None
+    return Report(
+        ops,
+        folded={name: len(blocks) for name, _, _, blocks in folded},
+        non_gemm_bytes=unfolded(report.non_gemm_bytes),
+        fp8_spared_bytes=unfolded(report.fp8_spared_bytes) if training else None,
+        saved_bytes=unfolded(report.saved_bytes) if training else None,
+    )
 
 
 def assert_coverage(report: Report, min_fp8_flop_share: float) -> None:

@@ -27,6 +27,7 @@ from fp8fx.passes.pipeline import PLANNING_PASSES
 from fp8fx.state import BUFFERS, Fp8State, state_for
 from fp8fx.policy import GEMM_ROLES, Policy, load_policy
 from fp8fx.reporting import OpRecord, Report
+from fp8fx.traffic import non_gemm_bytes, saved_activation_bytes
 
 INNER_COMPILERS = ("inductor", "eager")
 
@@ -41,6 +42,11 @@ class GraphRecord:
     ops: list[OpRecord]
     params: list[weakref.ref] = field(default_factory=list)
     state: Fp8State | None = None
+    non_gemm_bytes: dict[str, int] = field(default_factory=dict)  # per module FQN (fp8fx.traffic)
+    # Training graphs partitioned by fp8fx (eager inner): activation bytes saved for backward,
+    # and the part of them FP8 spares, per module FQN.
+    saved_bytes: dict[str, int] | None = None
+    fp8_spared_bytes: dict[str, int] | None = None
 
     def belongs_to(self, param_ids: set[int]) -> bool:
         alive = [p() for p in self.params]
@@ -86,6 +92,8 @@ class Fp8fxBackend:
         # ("forward" | "backward" | "inference", GraphModule).
         self.keep_graphs = keep_graphs
         self.kept_graphs: list[tuple[str, fx.GraphModule]] = []
+        # Set by fp8fx.analyze with numerics: a fp8fx.numerics.NumericsCollector the probes register with.
+        self.numerics = None
 
     def __repr__(self) -> str:
         return f"Fp8fxBackend(inner={self.inner!r}, policy={self.policy.source or 'built-in'}, graphs={len(self.graphs)})"
@@ -126,7 +134,8 @@ class Fp8fxBackend:
         from torch._dynamo.backends.common import aot_autograd
 
         def plan(graph_module, *_args, **_kwargs):
-            ctx = PassContext(self.policy)
+            # Probes change which casts are shared, so a numerics run plans with (throwaway) probes.
+            ctx = PassContext(self.policy, numerics=type(self.numerics)() if self.numerics is not None else None)
             run_passes(graph_module, ctx, PLANNING_PASSES)
             raise _Planned(ctx.delayed_states)
 
@@ -145,7 +154,8 @@ class Fp8fxBackend:
 
         `state_keys` name the delayed-scaling states passed as the graph's last inputs."""
         kind = _graph_kind(gm)
-        ctx = PassContext(self.policy, fuse_epilogues=self.fuse_epilogues, kernels=self.kernels)
+        traffic = non_gemm_bytes(gm.graph)
+        ctx = PassContext(self.policy, fuse_epilogues=self.fuse_epilogues, kernels=self.kernels, numerics=self.numerics, graph_index=len(self.graphs))
         if state_keys:
             inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and not str(n.target).startswith("tangents")]
             tail = inputs[len(inputs) - len(BUFFERS) * len(state_keys) :]
@@ -158,7 +168,7 @@ class Fp8fxBackend:
             for role in GEMM_ROLES
             if role in site.gemms
         ]
-        self.graphs.append(GraphRecord(index, kind, ops, params, state))
+        self.graphs.append(GraphRecord(index, kind, ops, params, state, traffic))
         return gm
 
     def _keep(self, kind: str, gm: fx.GraphModule) -> None:
@@ -172,7 +182,10 @@ class Fp8fxBackend:
 
         def partition_fn(joint_gm, joint_inputs, **kwargs):
             rewrite(joint_gm)
-            return min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
+            forward, backward = min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
+            record = self.graphs[-1]
+            record.saved_bytes, record.fp8_spared_bytes = saved_activation_bytes(forward, kwargs["num_fwd_outputs"])
+            return forward, backward
 
         def boxed(kind: str):
             def compiler(gm, _inputs):
@@ -301,4 +314,17 @@ def report(compiled: Any) -> Report:
 
 
 def _report(graphs: list[GraphRecord]) -> Report:
-    return Report([op.with_state(g.state) for g in graphs for op in g.ops])
+    def summed(dicts) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for d in dicts:
+            for fqn, n in d.items():
+                total[fqn] = total.get(fqn, 0) + n
+        return total
+
+    training = [g for g in graphs if g.saved_bytes is not None]
+    return Report(
+        [op.with_state(g.state) for g in graphs for op in g.ops],
+        non_gemm_bytes=summed(g.non_gemm_bytes for g in graphs),
+        fp8_spared_bytes=summed(g.fp8_spared_bytes for g in training) if training else None,
+        saved_bytes=summed(g.saved_bytes for g in training) if training else None,
+    )

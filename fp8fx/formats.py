@@ -24,6 +24,7 @@ class Fp8Format(str, Enum):
 
 
 _DTYPES = {Fp8Format.E4M3: torch.float8_e4m3fn, Fp8Format.E5M2: torch.float8_e5m2}
+FP8_DTYPES = frozenset(_DTYPES.values())
 
 
 class FormatRecipe(str, Enum):

@@ -11,6 +11,8 @@ from fp8fx.passes.assign_precision import Decision
 from fp8fx.passes.find_matmuls import Gemm, MatmulSite
 from fp8fx.passes.graph_utils import META_KEY
 
+SCHEMA = "fp8fx.report/1"  # version of the to_dict()/JSON layout; bumped when a field changes meaning
+
 
 def _dim(d: Any) -> int | str:
     return d if isinstance(d, int) else str(d)
@@ -58,10 +60,19 @@ class OpRecord:
     scale: tuple[float, float] | None = None  # x_fp8 = saturate(x * scale)
     scale_inv: tuple[float, float] | None = None  # x ~= x_fp8 * scale_inv
     non_finite: tuple[int, int] | None = None  # steps whose amax was inf or NaN (the scale was kept)
+    # Analysis extras: measured numerics (fp8fx.numerics.GemmNumerics) and predicted time on a
+    # target GPU (fp8fx.costmodel.Prediction).
+    numerics: Any = None
+    predicted: Any = None
 
     @property
     def backward(self) -> bool:
         return self.role != "output"
+
+    @property
+    def slower(self) -> bool:
+        """Predicted slower in FP8 than in BF16 on the report's target (a "red cell")."""
+        return self.precision == "fp8" and self.predicted is not None and self.predicted.speedup < 1
 
     @classmethod
     def make(cls, graph: int, graph_kind: str, site: MatmulSite, gemm: Gemm, decision: Decision) -> OpRecord:
@@ -106,7 +117,7 @@ class OpRecord:
         if state is None or not self.state_keys or not any(self.state_keys):
             return self
         found = [state.get(key) if key else None for key in self.state_keys]
-        if any(f is None for f in found):
+        if any(f is None for f in found) or found[0].scale.is_meta:  # shape-only analysis: no values
             return self
         scales = tuple(f.scale.item() for f in found)
         return replace(
@@ -115,6 +126,10 @@ class OpRecord:
             scale_inv=tuple(1.0 / s for s in scales),
             non_finite=tuple(int(f.non_finite.item()) for f in found),
         )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
 
 
 def _scaling_text(op: OpRecord) -> str:
@@ -130,10 +145,39 @@ def _scaling_text(op: OpRecord) -> str:
 class Report:
     """All GEMM decisions of one model (or one backend), with a summary."""
 
-    def __init__(self, ops: list[OpRecord], folded: dict[str, int] | None = None):
+    def __init__(
+        self,
+        ops: list[OpRecord],
+        folded: dict[str, int] | None = None,
+        non_gemm_bytes: dict[str, int] | None = None,
+        fp8_spared_bytes: dict[str, int] | None = None,
+        saved_bytes: dict[str, int] | None = None,
+    ):
         self.ops = list(ops)
         # Analysis of repeated blocks: list FQN -> blocks whose records copy the first block's.
         self.folded = dict(folded or {})
+        # Per module FQN (fp8fx.traffic): bytes moved by non-GEMM ops; activation bytes saved for
+        # backward and the part FP8 spares (None: no training graph partitioned by fp8fx).
+        self.non_gemm_bytes = dict(non_gemm_bytes or {})
+        self.fp8_spared_bytes = fp8_spared_bytes
+        self.saved_bytes = saved_bytes
+        self.target = None  # fp8fx.costmodel.GpuSpec the predictions are for
+        self.step = None  # its fp8fx.costmodel.StepPrediction
+
+    def _with(self, ops: list[OpRecord]) -> Report:
+        new = Report(ops, self.folded, self.non_gemm_bytes, self.fp8_spared_bytes, self.saved_bytes)
+        new.target, new.step = self.target, self.step
+        return new
+
+    def with_predictions(self, target) -> Report:  # noqa: ANN001 - a GpuSpec or its name / spec string
+        """This report with each GEMM's predicted BF16 and FP8 time on `target` (see
+        fp8fx.costmodel) and the predicted whole step."""
+        from fp8fx import costmodel
+
+        spec = costmodel.gpu(target) if isinstance(target, str) else target
+        new = self._with([replace(op, predicted=costmodel.predict(op, spec)) for op in self.ops])
+        new.target, new.step = spec, costmodel.predict_step(self.ops, sum(self.non_gemm_bytes.values()), spec)
+        return new
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -166,22 +210,42 @@ class Report:
             "memory_passes_added": sum(op.memory_passes_added or 0 for op in self.fp8_ops),
             "memory_passes_saved": sum(op.memory_passes_saved or 0 for op in self.fp8_ops),
             "non_finite_amax_events": {op.site + "." + op.role: op.non_finite for op in self.ops if op.non_finite and any(op.non_finite)},
+            "saved_for_backward_bytes": sum(self.saved_bytes.values()) if self.saved_bytes is not None else None,
+            "fp8_saved_activation_bytes": sum(self.fp8_spared_bytes.values()) if self.fp8_spared_bytes is not None else None,
+            "target": self.target.name if self.target else None,
+            "predicted_step_speedup": self.step.speedup if self.step else None,
+            "predicted_gemm_speedup": self.step.gemm_speedup if self.step else None,
+            "slower_in_fp8": sum(op.slower for op in self.fp8_ops) if self.step else None,
+            "numerics_batches": max((op.numerics.batches for op in self.ops if op.numerics), default=None),
+            "min_sqnr_db": min((op.numerics.sqnr_db for op in self.fp8_ops if op.numerics and op.numerics.sqnr_db is not None), default=None),
         }
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data; its layout is `SCHEMA` (documented in the README)."""
         total = sum(op.flops for op in self.ops) or 1
-        ops = [{**asdict(op), "flop_share": op.flops / total} for op in self.ops]
-        return {"summary": self.summary(), "ops": ops}
+
+        def op_dict(op: OpRecord) -> dict[str, Any]:
+            d = {**asdict(op), "flop_share": op.flops / total}
+            if op.predicted is not None:
+                d["predicted"]["speedup"] = op.predicted.speedup
+            return d
+
+        return {"schema": SCHEMA, "summary": self.summary(), "ops": [op_dict(op) for op in self.ops]}
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
-    _COLUMNS = ("graph", "site", "op", "role", "M", "N", "K", "FLOP %", "prec", "formats", "scaling", "epilogue", "passes +/-", "reason")
+    _COLUMNS = ("graph", "site", "op", "role", "M", "N", "K", "FLOP %", "prec", "formats", "scaling", "epilogue", "passes +/-")
+
+    def _columns(self) -> tuple[str, ...]:
+        extra = (("fp8/bf16 x",) if self.step else ()) + (("SQNR dB",) if any(op.numerics for op in self.ops) else ())
+        return (*self._COLUMNS, *extra, "reason")
 
     def _rows(self) -> list[tuple[str, ...]]:
         total = sum(op.flops for op in self.ops) or 1
-        return [
-            (
+        rows = []
+        for op in self.ops:
+            row = [
                 str(op.graph),
                 op.site,
                 op.op,
@@ -195,10 +259,14 @@ class Report:
                 _scaling_text(op),
                 op.epilogue or "-" if op.precision == "fp8" else "-",
                 f"+{op.memory_passes_added}/-{op.memory_passes_saved}" if op.memory_passes_added is not None else "-",
-                op.reason,
-            )
-            for op in self.ops
-        ]
+            ]
+            if self.step:  # "!": predicted slower in FP8 than BF16
+                row.append("-" if op.predicted is None else f"{op.predicted.speedup:.2f}" + ("!" if op.slower else ""))
+            if any(o.numerics for o in self.ops):
+                sqnr = op.numerics.sqnr_db if op.numerics else None
+                row.append("-" if sqnr is None else f"{sqnr:.1f}")
+            rows.append((*row, op.reason))
+        return rows
 
     def _summary_lines(self) -> list[str]:
         s = self.summary()
@@ -216,11 +284,25 @@ class Report:
             lines.append("non-finite amax (scale kept): " + ", ".join(f"{k} {v}" for k, v in s["non_finite_amax_events"].items()))
         if s["folded_blocks"]:
             lines.append("repeated blocks traced once: " + ", ".join(f"{k} x{v}" for k, v in s["folded_blocks"].items()))
+        if s["saved_for_backward_bytes"]:
+            lines.append(
+                f"activations saved for backward: {_mib(s['saved_for_backward_bytes'])}; "
+                f"FP8 saves {_mib(s['fp8_saved_activation_bytes'])} of what high precision would keep"
+            )
+        if self.step:
+            lines.append(
+                f"predicted on {s['target']}: step {s['predicted_step_speedup']:.2f}x faster than BF16 (GEMMs alone "
+                f"{s['predicted_gemm_speedup']:.2f}x); {s['slower_in_fp8']} FP8 GEMM(s) predicted slower than BF16 (marked !)"
+            )
+        if s["numerics_batches"]:
+            worst = min((op for op in self.fp8_ops if op.numerics and op.numerics.sqnr_db is not None), key=lambda op: op.numerics.sqnr_db, default=None)
+            if worst is not None:
+                lines.append(f"numerics over {s['numerics_batches']} batch(es): lowest FP8 SQNR {worst.numerics.sqnr_db:.1f} dB at {worst.site}.{worst.role}")
         return lines
 
     def table(self) -> str:
         """A fixed-width table, one row per GEMM, then the summary."""
-        header, rows = self._COLUMNS, self._rows()
+        header, rows = self._columns(), self._rows()
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in [header, *rows]]
         lines.insert(1, "-" * min(160, max(len(line) for line in lines)))
@@ -233,7 +315,8 @@ class Report:
             return "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |"
 
         lines = ["# fp8fx precision report", "", *(f"- {line}" for line in self._summary_lines()), ""]
-        lines += [cells(self._COLUMNS), "|" + "---|" * len(self._COLUMNS), *(cells(r) for r in self._rows())]
+        columns = self._columns()
+        lines += [cells(columns), "|" + "---|" * len(columns), *(cells(r) for r in self._rows())]
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -32,7 +32,7 @@ MATMUL_OPS = {
 }
 
 
-def _is_attention(node: fx.Node) -> bool:
+def is_attention(node: fx.Node) -> bool:
     """A fused attention kernel (SDPA's flash / efficient / cudnn / CPU variants, and backward)."""
     packet = getattr(node.target, "overloadpacket", None)
     return node.op == "call_function" and packet is not None and packet.__name__.startswith("_scaled_dot_product")
@@ -93,7 +93,7 @@ class MatmulSite:
         return (self.name, self.fqn) if self.fqn != self.name else (self.name,)
 
 
-def _module_fqn(node: fx.Node) -> str:
+def module_fqn(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
     if not stack:
         return ""
@@ -125,7 +125,7 @@ def _dims(node: fx.Node) -> tuple:
 
 
 def _gemm(node: fx.Node, role: str) -> Gemm:
-    if _is_attention(node):  # q, k: [batch, heads, seq, head_dim]; backward takes grad_out first
+    if is_attention(node):  # q, k: [batch, heads, seq, head_dim]; backward takes grad_out first
         q, k = (node.args[1], node.args[2]) if _is_attention_backward(node) else (node.args[0], node.args[1])
         q, k = q.meta["val"], k.meta["val"]
         count = 4 if _is_attention_backward(node) else 2
@@ -141,9 +141,9 @@ def find_matmuls(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     unlinked: list[fx.Node] = []
     backward_nodes = _depends_on_tangents(gm.graph)
     for node in gm.graph.nodes:
-        if node.op != "call_function" or (node.target not in MATMUL_OPS and not _is_attention(node)):
+        if node.op != "call_function" or (node.target not in MATMUL_OPS and not is_attention(node)):
             continue
-        if node.meta.get("autograd_backward") or node in backward_nodes or (_is_attention(node) and _is_attention_backward(node)):
+        if node.meta.get("autograd_backward") or node in backward_nodes or (is_attention(node) and _is_attention_backward(node)):
             seq = node.meta.get("seq_nr")
             (backward_by_seq[seq] if seq is not None else unlinked).append(node)
         else:
@@ -152,7 +152,7 @@ def find_matmuls(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     # Site names: the module FQN when the module holds one matmul, else "fqn:op#i".
     per_module: dict[str, list[fx.Node]] = defaultdict(list)
     for node in forward:
-        per_module[_module_fqn(node)].append(node)
+        per_module[module_fqn(node)].append(node)
 
     sites: list[MatmulSite] = []
     for fqn, nodes in per_module.items():
@@ -179,7 +179,7 @@ def find_matmuls(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for nodes in backward_by_seq.values():
         unlinked.extend(nodes)
     for i, bw in enumerate(unlinked):
-        fqn = _module_fqn(bw)
+        fqn = module_fqn(bw)
         op = _op_kind(bw)
         site = MatmulSite(f"{fqn or '<top>'}:backward_{op}#{i}", fqn, op, source=_source_line(bw))
         site.gemms["grad_input"] = _gemm(bw, "grad_input")
@@ -193,7 +193,7 @@ def find_matmuls(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
 
 def _op_kind(node: fx.Node) -> str:
-    return "sdpa" if _is_attention(node) else MATMUL_OPS[node.target]
+    return "sdpa" if is_attention(node) else MATMUL_OPS[node.target]
 
 
 def _depends_on_tangents(graph: fx.Graph) -> set[fx.Node]:
@@ -207,8 +207,8 @@ def _depends_on_tangents(graph: fx.Graph) -> set[fx.Node]:
 
 
 def _backward_role(fwd: fx.Node, bw: fx.Node, site: MatmulSite) -> str | None:
-    if _is_attention(fwd):  # one backward kernel computes dq, dk and dv
-        return "grad_input" if _is_attention(bw) and "grad_input" not in site.gemms else None
+    if is_attention(fwd):  # one backward kernel computes dq, dk and dv
+        return "grad_input" if is_attention(bw) and "grad_input" not in site.gemms else None
     left, right, _ = matmul_operands(fwd)
     left_root, right_root = strip_layout(left)[0], strip_layout(right)[0]
     bw_roots = {strip_layout(x)[0] for x in matmul_operands(bw)[:2]}

@@ -59,6 +59,10 @@ class PassContext:
     # CUDA ("auto" / "triton": generated Triton kernels; "scaled_mm": torch._scaled_mm).
     fuse_epilogues: bool = True
     kernels: str = "auto"
+    # Analysis with numerics: the fp8fx.numerics.NumericsCollector probes register with, and the
+    # index of the graph being rewritten (probes are reported per graph, site and role).
+    numerics: Any = None
+    graph_index: int = 0
 
 
 def _is_dtype_cast(node: fx.Node) -> bool:
@@ -105,12 +109,13 @@ def _val(arg: Any) -> Any:
 def add_node(graph: fx.Graph, fake_mode, target, args: tuple, kwargs: dict | None = None, *, tag_from: fx.Node) -> fx.Node:
     """Insert `target(*args)` at the graph's current insertion point with a valid `meta["val"]`.
 
-    The node takes the partitioner tag (forward / backward) of `tag_from`, the node it serves."""
+    The node takes the partitioner tag (forward / backward), source and module of `tag_from`,
+    the node it serves."""
     kwargs = kwargs or {}
     node = graph.call_function(target, args, kwargs)
     with fake_mode:
         node.meta["val"] = target(*_val(args), **_val(kwargs))
-    for key in ("partitioner_tag", "stack_trace"):
+    for key in ("partitioner_tag", "stack_trace", "nn_module_stack", "fwd_nn_module_stack"):
         if key in tag_from.meta:
             node.meta[key] = tag_from.meta[key]
     return node

@@ -1,0 +1,38 @@
+"""insert_probes: with numerics on (`ctx.numerics`), put an `fp8fx::numerics_probe` in front of
+every GEMM so an analysis run measures what FP8 does to its operands (see `fp8fx.numerics`).
+
+Runs after assign_precision and before insert_casts, so the probes see the high-precision
+operands; the GEMM takes the probe's copy of its left operand, which keeps the probe alive
+through partitioning. Without numerics the graph is unchanged."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from fp8fx.numerics import ProbeSpec
+from fp8fx.passes.assign_precision import decide
+from fp8fx.passes.find_matmuls import matmul_operands
+from fp8fx.passes.graph_utils import PassContext, PassResult, add_node, fake_mode_of
+from fp8fx.policy import RECIPES, Policy
+
+
+def insert_probes(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    if ctx.numerics is None:
+        return PassResult(gm, modified=False)
+    fake_mode = fake_mode_of(gm.graph)
+    recipes = {name: PassContext(Policy.from_recipe(name)) for name in RECIPES}
+    for site in ctx.sites:
+        if site.op == "sdpa":  # fused attention has no FP8 form to measure
+            continue
+        for role, gemm in site.gemms.items():
+            left, right, _ = matmul_operands(gemm.node)
+            if not all(x.meta["val"].dtype.is_floating_point for x in (left, right)):
+                continue
+            what_if = {name: decide(site, gemm, rctx) for name, rctx in recipes.items()}
+            key = ctx.numerics.register(ProbeSpec(ctx.graph_index, site.name, role, ctx.decisions[(site.name, role)], what_if))
+            with gm.graph.inserting_before(gemm.node):
+                probe = add_node(gm.graph, fake_mode, torch.ops.fp8fx.numerics_probe.default, (left, right, key), tag_from=gemm.node)
+            gemm.node.replace_input_with(left, probe)
+    gm.recompile()
+    return PassResult(gm, modified=True)

@@ -1,0 +1,69 @@
+"""Bytes a compiled graph moves outside its GEMMs, and bytes FP8 saves in what forward keeps for
+backward; both per module FQN, so an analysis that traced one of N identical blocks can copy them.
+
+Read by the cost model (non-GEMM time of a step) and the report's memory summary."""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+
+import torch
+from torch import fx
+
+from fp8fx.formats import FP8_DTYPES
+from fp8fx.passes.find_matmuls import MATMUL_OPS, is_attention, module_fqn
+from fp8fx.passes.graph_utils import LAYOUT_OPS, TRANSPARENT_OPS, strip_layout
+
+_NOT_TRAFFIC = {*LAYOUT_OPS, *TRANSPARENT_OPS, operator.getitem} - {torch.ops.aten.clone.default}
+
+
+def non_gemm_bytes(graph: fx.Graph) -> dict[str, int]:
+    """Per module FQN: bytes the graph's non-GEMM ops move, each result written once and read once
+    in 2-byte precision (what a BF16 step with elementwise chains fused moves). Views and GEMMs
+    (attention included) are not counted."""
+    found: dict[str, int] = defaultdict(int)
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(val, torch.Tensor) or node.target in _NOT_TRAFFIC:
+            continue
+        if node.target in MATMUL_OPS or is_attention(node) or val.dtype in FP8_DTYPES:
+            continue
+        numel = val.numel()
+        if not isinstance(numel, int):  # dynamic shapes: no size to count
+            continue
+        itemsize = 2 if val.dtype.is_floating_point else val.element_size()
+        found[_owner(node)] += 2 * numel * itemsize
+    return dict(found)
+
+
+def _owner(node: fx.Node) -> str:
+    """The node's module; autograd's gradient-accumulating adds have none: take their inputs'."""
+    fqn = module_fqn(node)
+    for arg in node.all_input_nodes:
+        fqn = fqn or module_fqn(arg)
+    return fqn
+
+
+def saved_activation_bytes(forward: fx.GraphModule, num_fwd_outputs: int) -> tuple[dict[str, int], dict[str, int]]:
+    """From a partitioned forward graph, per module FQN: bytes of activations saved for backward
+    (graph inputs such as parameters are not counted), and the bytes FP8 spares: an FP8 activation
+    kept instead of its high-precision source spares the difference; an FP8 copy of a parameter
+    (alive anyway) costs its size."""
+    output = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
+    saved: dict[str, int] = defaultdict(int)
+    spared: dict[str, int] = defaultdict(int)
+    for node in output.args[0][num_fwd_outputs:]:
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        if not isinstance(val, torch.Tensor) or not isinstance(val.numel(), int):
+            continue
+        root, _ = strip_layout(node)
+        if root.op == "placeholder":
+            continue
+        fqn = module_fqn(root)
+        saved[fqn] += val.numel() * val.element_size()
+        source = root.args[0].meta.get("val") if root.args and isinstance(root.args[0], fx.Node) else None
+        if val.dtype in FP8_DTYPES and isinstance(source, torch.Tensor):
+            parameter = strip_layout(root.args[0])[0].op == "placeholder"
+            spared[fqn] += -val.numel() if parameter else val.numel() * (source.element_size() - 1)
+    return dict(saved), dict(spared)
