@@ -5,9 +5,12 @@ The model file convention (what `fp8fx analyze MODEL.py` looks for):
     def build_model() -> nn.Module          # or a module-level `model = ...`
     def example_inputs() -> tuple            # the model's positional inputs (a tensor is fine)
     def loss_fn(output) -> Tensor            # optional, for --train; default: output.float().sum()
+    def calibration_data() -> Iterable       # optional, for --numerics: batches like example_inputs()
 
 With `build_model()`, the model is built on the meta device: no weights are allocated and the
-same passes that compile the model decide every GEMM from shapes alone.
+same passes that compile the model decide every GEMM from shapes alone. For numerics it is built
+with real (initialised) weights, and measured on `calibration_data()` or, without it, on batches
+from `example_inputs()`.
 """
 
 from __future__ import annotations
@@ -50,6 +53,25 @@ class ModelFile:
     example_inputs: tuple
     loss_fn: Callable[[Any], torch.Tensor] | None
     shape_only: bool  # built on the meta device
+    make_inputs: Callable[[], Any]
+    calibration_data: Callable[[], Any] | None
+
+    def calibration(self, batches: int) -> list[tuple]:
+        """`batches` input tuples from calibration_data() (or example_inputs() called again)."""
+        source = self.calibration_data() if self.calibration_data else (self.make_inputs() for _ in range(batches))
+        found = []
+        try:
+            for batch in source:
+                found.append(_as_inputs(batch, self.path, "calibration_data()" if self.calibration_data else "example_inputs()"))
+                if len(found) == batches:
+                    break
+        except ModelFileError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise ModelFileError(f"{self.path}: calibration_data() raised {type(e).__name__}: {e}{_where(e, self.path)}") from e
+        if not found:
+            raise ModelFileError(f"{self.path}: calibration_data() gave no batch")
+        return found
 
 
 def _where(exc: BaseException, path: Path) -> str:
@@ -57,8 +79,16 @@ def _where(exc: BaseException, path: Path) -> str:
     return f" (line {frames[-1].lineno})" if frames else ""
 
 
-def load_model_file(path: str | Path) -> ModelFile:
-    """Import `path` and build its model and inputs by the convention above."""
+def _as_inputs(value: Any, path: Path, what: str) -> tuple:
+    inputs = (value,) if isinstance(value, torch.Tensor) else value
+    if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
+        raise ModelFileError(f"{path}: {what} must give a tensor or a tuple of tensors, got {type(value).__name__}")
+    return tuple(inputs)
+
+
+def load_model_file(path: str | Path, real_weights: bool = False) -> ModelFile:
+    """Import `path` and build its model and inputs by the convention above (`real_weights`:
+    build_model() allocates and initialises weights, for numerics)."""
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(f"{path}: no such file")
@@ -70,10 +100,10 @@ def load_model_file(path: str | Path) -> ModelFile:
     except Exception as e:  # noqa: BLE001 - any error in the user's file becomes one clear line
         raise ModelFileError(f"{path}: importing it raised {type(e).__name__}: {e}{_where(e, path)}") from e
     build = getattr(module, "build_model", None)
-    shape_only = callable(build)
+    shape_only = callable(build) and not real_weights
     try:
-        if shape_only:
-            with torch.device("meta"):
+        if callable(build):
+            with torch.device("meta") if shape_only else contextlib.nullcontext():
                 model = build()
         else:
             model = getattr(module, "model", None)
@@ -92,13 +122,14 @@ def load_model_file(path: str | Path) -> ModelFile:
         inputs = make_inputs()
     except Exception as e:  # noqa: BLE001
         raise ModelFileError(f"{path}: example_inputs() raised {type(e).__name__}: {e}{_where(e, path)}") from e
-    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else inputs
-    if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
-        raise ModelFileError(f"{path}: example_inputs() must return a tensor or a tuple of tensors, got {type(inputs).__name__}")
+    inputs = _as_inputs(inputs, path, "example_inputs()")
     if shape_only:
         inputs = tuple(t.to("meta") for t in inputs)
     loss_fn = getattr(module, "loss_fn", None)
-    return ModelFile(path, model, tuple(inputs), loss_fn if callable(loss_fn) else None, shape_only)
+    calibration = getattr(module, "calibration_data", None)
+    return ModelFile(
+        path, model, inputs, loss_fn if callable(loss_fn) else None, shape_only, make_inputs, calibration if callable(calibration) else None
+    )
 
 
 def _default_loss(output: Any) -> torch.Tensor:

@@ -237,11 +237,11 @@ class Report:
 
     _COLUMNS = ("graph", "site", "op", "role", "M", "N", "K", "FLOP %", "prec", "formats", "scaling", "epilogue", "passes +/-")
 
-    def _columns(self) -> tuple[str, ...]:
+    def columns(self) -> tuple[str, ...]:
         extra = (("fp8/bf16 x",) if self.step else ()) + (("SQNR dB",) if any(op.numerics for op in self.ops) else ())
         return (*self._COLUMNS, *extra, "reason")
 
-    def _rows(self) -> list[tuple[str, ...]]:
+    def rows(self) -> list[tuple[str, ...]]:
         total = sum(op.flops for op in self.ops) or 1
         rows = []
         for op in self.ops:
@@ -268,7 +268,7 @@ class Report:
             rows.append((*row, op.reason))
         return rows
 
-    def _summary_lines(self) -> list[str]:
+    def summary_lines(self) -> list[str]:
         s = self.summary()
 
         def pct(x: float | None) -> str:
@@ -302,11 +302,11 @@ class Report:
 
     def table(self) -> str:
         """A fixed-width table, one row per GEMM, then the summary."""
-        header, rows = self._columns(), self._rows()
+        header, rows = self.columns(), self.rows()
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in [header, *rows]]
         lines.insert(1, "-" * min(160, max(len(line) for line in lines)))
-        return "\n".join([*lines, "", *self._summary_lines()])
+        return "\n".join([*lines, "", *self.summary_lines()])
 
     def markdown(self) -> str:
         """A GitHub-flavoured Markdown table, one row per GEMM, then the summary as a list."""
@@ -314,9 +314,9 @@ class Report:
         def cells(row) -> str:
             return "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |"
 
-        lines = ["# fp8fx precision report", "", *(f"- {line}" for line in self._summary_lines()), ""]
-        columns = self._columns()
-        lines += [cells(columns), "|" + "---|" * len(columns), *(cells(r) for r in self._rows())]
+        lines = ["# fp8fx precision report", "", *(f"- {line}" for line in self.summary_lines()), ""]
+        columns = self.columns()
+        lines += [cells(columns), "|" + "---|" * len(columns), *(cells(r) for r in self.rows())]
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -64,32 +65,56 @@ def policy_validate(file: Path = typer.Argument(..., help="Policy YAML file.")) 
         typer.echo(f"  rules[{i}]: " + " ".join(parts))
 
 
+FORMATS = ("table", "json", "md", "html")
+
+
 @app.command()
 def analyze(
-    model_file: Path = typer.Argument(..., help="Python file defining build_model() (or model) and example_inputs(); optional loss_fn(output) for --train."),
+    model_file: Path = typer.Argument(
+        ..., help="Python file defining build_model() (or model) and example_inputs(); optional loss_fn(output) for --train, calibration_data() for --numerics."
+    ),
     policy: Path | None = typer.Option(None, "--policy", help="Precision-policy YAML file."),
     recipe: str | None = typer.Option(None, "--recipe", help="A named recipe instead of a policy file (see `fp8fx recipes`)."),
     train: bool = typer.Option(False, "--train", help="Analyse the training step: forward and backward GEMMs."),
-    fmt: str = typer.Option("table", "--format", help="Output format: table, json or md (Markdown)."),
+    target: str | None = typer.Option(
+        None, "--target", help="Predict BF16 and FP8 time per GEMM and per step on a GPU: h100, h100-pcie, h200, h800, b200, or a spec 'fp8=TFLOPS,bf16=TFLOPS,bw=TB/s,sms=N'."
+    ),
+    numerics: bool = typer.Option(
+        False, "--numerics", help="Run real tensors (weights initialised by build_model()) and add per-GEMM amax, scale, underflow %, saturation % and SQNR, with what-ifs for every recipe."
+    ),
+    calibrate: int = typer.Option(2, "--calibrate", min=1, help="Batches for --numerics, from calibration_data() or else example_inputs()."),
+    fmt: str = typer.Option("table", "--format", help="Output format: table, json, md (Markdown) or html (a self-contained page with plots)."),
     output: Path | None = typer.Option(None, "-o", "--output", help="Write the report to this file instead of standard output."),
+    suggest: Path | None = typer.Option(
+        None, "--suggest-policy", help="Write a commented policy keeping high the GEMMs predicted slower in FP8 (--target) or below --min-sqnr (--numerics)."
+    ),
+    min_sqnr: float = typer.Option(18.0, "--min-sqnr", help="SQNR (dB) below which --suggest-policy keeps a GEMM high (with --numerics)."),
     fail_under: float | None = typer.Option(None, "--fail-under", min=0.0, max=1.0, help="Exit 1 if FP8 covers less than this share (0-1) of GEMM FLOPs."),
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks."),
 ) -> None:
     """Decide every GEMM of a model as compiling would, and print the per-op precision report.
 
-    A model made by build_model() is built on the meta device: shapes only, no weights."""
+    A model made by build_model() is built on the meta device (shapes only, no weights) unless
+    --numerics asks for real tensors."""
     from fp8fx.analysis import CoverageError, ModelFileError, analyze as run_analysis, assert_coverage, load_model_file
     from fp8fx.policy import Policy, PolicyError, load_policy
 
-    if fmt not in ("table", "json", "md"):
-        _fail(f"--format must be table, json or md, got {fmt!r}")
+    if fmt not in FORMATS:
+        _fail(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if policy is not None and recipe is not None:
         _fail("give --policy or --recipe, not both")
+    if suggest is not None and target is None and not numerics:
+        _fail("--suggest-policy needs --target (speed) or --numerics (accuracy) to decide from")
     try:
-        chosen = load_policy(policy) if policy is not None else Policy.from_recipe(recipe) if recipe is not None else None
-        loaded = load_model_file(model_file)
-        report = run_analysis(loaded.model, loaded.example_inputs, chosen, train=train, loss_fn=loaded.loss_fn)
-    except (PolicyError, ModelFileError) as e:
+        spec = _target(target) if target is not None else None
+        chosen = load_policy(policy) if policy is not None else Policy.from_recipe(recipe) if recipe is not None else Policy()
+        loaded = load_model_file(model_file, real_weights=numerics)
+        calibration = loaded.calibration(calibrate) if numerics else None
+        with _progress() as progress:
+            report = run_analysis(loaded.model, loaded.example_inputs, chosen, train=train, loss_fn=loaded.loss_fn, calibration=calibration, progress=progress)
+        if spec is not None:
+            report = report.with_predictions(spec)
+    except (PolicyError, ModelFileError, ValueError) as e:
         if debug:
             raise
         _fail(str(e))
@@ -97,17 +122,69 @@ def analyze(
         if debug:
             raise
         _fail(f"{model_file}: running the model raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (--debug for the traceback)")
-    text = {"json": report.to_json, "md": report.markdown, "table": report.table}[fmt]()
-    if output is not None:
-        output.write_text(text + "\n")
-        typer.echo(f"report written to {output}", err=True)
-    else:
-        typer.echo(text)
+    if suggest is not None:
+        from fp8fx.suggest import suggest_policy
+
+        text, rules = suggest_policy(report, chosen, min_sqnr if numerics else None)
+        suggest.write_text(text)
+        typer.echo(f"suggested policy written to {suggest} ({rules} rule(s) added)", err=True)
+    _emit(report, fmt, output)
     if fail_under is not None:
         try:
             assert_coverage(report, fail_under)
         except CoverageError as e:
             _fail(str(e))
+
+
+def _target(text: str):
+    from fp8fx.costmodel import gpu
+
+    return gpu(text)
+
+
+def _emit(report, fmt: str, output: Path | None) -> None:
+    if fmt == "table":
+        from rich.console import Console
+
+        from fp8fx.cli.render import rich_report
+
+        if output is None:
+            Console(width=max(160, Console().width)).print(rich_report(report))
+            return
+        with output.open("w") as f:
+            Console(file=f, width=220, color_system=None).print(rich_report(report))
+    else:
+        if fmt == "html":
+            from fp8fx.report_html import render_html
+
+            text = render_html(report.to_dict())
+        else:
+            text = report.to_json() if fmt == "json" else report.markdown()
+        if output is None:
+            typer.echo(text)
+            return
+        output.write_text(text + "\n")
+    typer.echo(f"report written to {output}", err=True)
+
+
+@contextlib.contextmanager
+def _progress():
+    """A progress bar on standard error while analysis batches run (only on a terminal)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
+        tasks: dict[str, int] = {}
+
+        def update(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                label = {"analysis": "tracing and deciding", "numerics": "measuring numerics"}.get(stage, stage)
+                tasks[stage] = bar.add_task(label, total=total)
+            bar.update(tasks[stage], completed=done)
+
+        yield update
 
 
 @app.command()
