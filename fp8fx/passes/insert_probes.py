@@ -22,17 +22,18 @@ def insert_probes(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, modified=False)
     fake_mode = fake_mode_of(gm.graph)
     recipes = {name: PassContext(Policy.from_recipe(name)) for name in RECIPES}
+    probes = []  # decide every what-if first: decisions read the operands the probes replace
     for site in ctx.sites:
         if site.op == "sdpa":  # fused attention has no FP8 form to measure
             continue
         for role, gemm in site.gemms.items():
             left, right, _ = matmul_operands(gemm.node)
-            if not all(x.meta["val"].dtype.is_floating_point for x in (left, right)):
-                continue
-            what_if = {name: decide(site, gemm, rctx) for name, rctx in recipes.items()}
-            key = ctx.numerics.register(ProbeSpec(ctx.graph_index, site.name, role, ctx.decisions[(site.name, role)], what_if))
-            with gm.graph.inserting_before(gemm.node):
-                probe = add_node(gm.graph, fake_mode, torch.ops.fp8fx.numerics_probe.default, (left, right, key), tag_from=gemm.node)
-            gemm.node.replace_input_with(left, probe)
+            if all(x.meta["val"].dtype.is_floating_point for x in (left, right)):
+                what_if = {name: decide(site, gemm, rctx) for name, rctx in recipes.items()}
+                probes.append((gemm.node, left, right, ProbeSpec(ctx.graph_index, site.name, role, ctx.decisions[(site.name, role)], what_if)))
+    for node, left, right, spec in probes:
+        with gm.graph.inserting_before(node):
+            probe = add_node(gm.graph, fake_mode, torch.ops.fp8fx.numerics_probe.default, (left, right, ctx.numerics.register(spec)), tag_from=node)
+        node.replace_input_with(left, probe)
     gm.recompile()
     return PassResult(gm, modified=True)

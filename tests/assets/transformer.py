@@ -13,3 +13,10 @@ def example_inputs():
 
 def loss_fn(logits):
     return logits.float().logsumexp(-1).mean()
+
+
+def calibration_data():
+    """Token batches for `--numerics` (a generator: fp8fx takes the first --calibrate of them)."""
+    generator = torch.Generator().manual_seed(0)
+    while True:
+        yield torch.randint(0, 256, (2, 32), generator=generator)
