@@ -28,7 +28,8 @@ svg{display:block;max-width:100%;height:auto;font:11px system-ui,sans-serif}
 #gemms{border-collapse:collapse;font-size:12px}
 #gemms th{background:#eaeef2;cursor:pointer;position:sticky;top:0;text-align:left}
 #gemms th,#gemms td{padding:2px 6px;border-bottom:1px solid #d0d7de;white-space:nowrap}
-#gemms td.num{text-align:right}#gemms td.reason{white-space:normal;min-width:240px}
+#gemms td.num{text-align:right}#gemms td.reason{white-space:normal;min-width:200px}
+#gemms td.epi{white-space:normal}
 #gemms tr.high td{background:#fff4e5}#gemms tr.high td.prec{color:#b35900;font-weight:bold}
 #gemms td.slower{background:#fde2e2;color:#b3261e;font-weight:bold}
 #filter{margin:0 0 8px;padding:4px;width:320px}
@@ -80,7 +81,7 @@ def _layer(site: str) -> str:
 def _ticks(lo: float, hi: float) -> list[float]:
     """Round tick values covering [lo, hi], about five of them."""
     if hi - lo < 1e-9:
-        lo, hi = lo - 0.5, hi + 0.5
+        hi = lo + 1
     raw = (hi - lo) / 5
     mag = 10 ** math.floor(math.log10(raw))
     step = next(s * mag for s in (1, 2, 5, 10) if s * mag >= raw)
@@ -120,29 +121,34 @@ def _summary(s: dict) -> str:
 # --- plots -----------------------------------------------------------------------------------------
 
 
-def _items(ops: list[dict]) -> tuple[list[tuple[str, str, list[dict]]], str]:
-    """The x positions of a per-site plot, (label, layer, ops) in layer order, and what one is."""
+def _items(ops: list[dict]) -> tuple[list[tuple[str, str, list[dict]]], str, str]:
+    """The x positions of a per-site plot, (label, layer, ops) in layer order; what one is (the x
+    axis title) and how its value is chosen (a caption)."""
     layers: dict[str, dict[str, list[dict]]] = {}
     for op in ops:
         layers.setdefault(_layer(op["site"]), {}).setdefault(op["site"], []).append(op)
     items = [(site, layer, site_ops) for layer, sites in layers.items() for site, site_ops in sites.items()]
     if len(items) <= MAX_POINTS:
-        return items, "one point per site (the worst of its GEMMs)"
+        return items, "site", "one point per site (the worst of its GEMMs), layers in shaded bands"
     items = [(layer, layer, [op for site_ops in sites.values() for op in site_ops]) for layer, sites in layers.items()]
     if len(items) <= MAX_POINTS:
-        return items, f"{sum(map(len, layers.values()))} sites: one point per layer (its worst GEMM)"
+        return items, "layer", f"{sum(map(len, layers.values()))} sites: one point per layer (its worst GEMM)"
     n = math.ceil(len(items) / MAX_POINTS)
     runs = [items[i : i + n] for i in range(0, len(items), n)]
     merged = [(f"{run[0][0]} +{len(run) - 1}", run[0][1], [op for item in run for op in item[2]]) for run in runs]
-    return merged, f"{len(items)} layers: one point per {n} consecutive layers (their worst GEMM)"
+    return merged, "layers", f"{len(items)} layers: one point per {n} consecutive layers (their worst GEMM)"
 
 
-def _legend(names: list[str], x: float, y: float) -> str:
-    out = []
+def _legend(names: list[str], left: float, y: float) -> tuple[str, float]:
+    """The series' markers and names in rows from (left, y), and the last row's y."""
+    out, x = [], left
     for j, name in enumerate(names):
-        out.append(f'<circle cx="{x + 5}" cy="{y - 4}" r="4" {_marker_style(j)}/><text x="{x + 13}" y="{y}">{_e(name)}</text>')
-        x += 30 + 6.5 * len(name)
-    return "".join(out)
+        width = 30 + 6.5 * len(name)
+        if x + width > WIDTH and x > left:
+            x, y = left, y + 16
+        out.append(f'<circle cx="{x + 5:.1f}" cy="{y - 4}" r="4" {_marker_style(j)}/><text x="{x + 13:.1f}" y="{y}">{_e(name)}</text>')
+        x += width
+    return "".join(out), y
 
 
 def _marker_style(j: int) -> str:
@@ -150,12 +156,15 @@ def _marker_style(j: int) -> str:
     return f'fill="{color}"' if j == 0 else f'fill="none" stroke="{color}" stroke-width="1.5"'
 
 
-def _point_chart(pid: str, title: str, items: list, panels: list[tuple[str, tuple | None, dict[str, list]]]) -> str:
+def _point_chart(pid: str, title: str, items: list, x_title: str, panels: list[tuple[str, tuple | None, dict[str, list]]]) -> str:
     """Markers per x position; `panels` stacked, each (y label, clip range or None, {series: values})."""
     names = list(panels[0][2])
     labels = [_short(label, 32) for label, _, _ in items]
-    left, right, top, panel_h, gap = 64, 16, 52, 200, 36
-    bottom = 34 + 5.6 * max(map(len, labels)) * 0.87
+    longest = max(map(len, labels))  # x labels are rotated by 60 degrees
+    left, right, panel_h, gap = max(64, 2.8 * longest), 16, 200, 56
+    legend, legend_y = _legend(names, left, 40)
+    top = legend_y + 12
+    bottom = 34 + 5.6 * longest * 0.87
     height = top + len(panels) * (panel_h + gap) - gap + bottom
     plot_w = WIDTH - left - right
     step = plot_w / len(items)
@@ -163,7 +172,7 @@ def _point_chart(pid: str, title: str, items: list, panels: list[tuple[str, tupl
     out = [
         f'<svg id="{pid}" width="{WIDTH}" height="{height:.0f}" viewBox="0 0 {WIDTH} {height:.0f}" role="img">',
         f'<text x="{WIDTH / 2}" y="18" text-anchor="middle" font-size="15" font-weight="bold">{_e(title)}</text>',
-        _legend(names, left, 40),
+        legend,
     ]
     y0 = top
     for y_label, clip, series in panels:
@@ -188,12 +197,13 @@ def _point_chart(pid: str, title: str, items: list, panels: list[tuple[str, tupl
         mid = y0 + panel_h / 2
         out.append(f'<text transform="translate(16 {mid}) rotate(-90)" text-anchor="middle">{_e(y_label)}</text>')
         for j, (name, vals) in enumerate(series.items()):
+            nudge = (j - (len(series) - 1) / 2) * min(4.0, step / (len(series) + 1))  # series side by side
             for i, v in enumerate(vals):
                 if not _finite(v):
                     continue
                 shown = min(max(v, lo), hi)
                 tip = f"<title>{_e(items[i][0])} · {_e(name)}: {v:.3g}</title>"
-                cx, cy = left + (i + 0.5) * step, y(shown)
+                cx, cy = left + (i + 0.5) * step + nudge, y(shown)
                 if shown != v:  # beyond the axis: a triangle at its edge
                     d = -7 if v > hi else 7
                     out.append(f'<path d="M{cx - 4:.1f} {cy - d / 2:.1f}h8L{cx:.1f} {cy + d / 2:.1f}z" {_marker_style(j)}>{tip}</path>')
@@ -205,7 +215,7 @@ def _point_chart(pid: str, title: str, items: list, panels: list[tuple[str, tupl
     for i in range(0, len(items), every):
         x = left + (i + 0.5) * step
         out.append(f'<text transform="translate({x:.1f} {axis_y + 10}) rotate(-60)" text-anchor="end">{_e(labels[i])}<title>{_e(items[i][0])}</title></text>')
-    out.append(f'<text x="{left + plot_w / 2}" y="{height - 6:.0f}" text-anchor="middle">site, grouped by layer (shaded bands)</text>')
+    out.append(f'<text x="{left + plot_w / 2}" y="{height - 6:.0f}" text-anchor="middle">{x_title}</text>')
     return "".join(out) + "</svg>"
 
 
@@ -214,15 +224,15 @@ def _sqnr_plot(ops: list[dict]) -> str | None:
     if not any(_finite(op["numerics"].get("sqnr_db")) for op in measured):
         return None
     recipes = list(dict.fromkeys(r for op in measured for r in op["numerics"].get("what_if") or {}))
-    items, what = _items(measured)
+    items, x_title, what = _items(measured)
 
     def worst(item_ops: list[dict], get) -> float | None:
         return min((v for v in map(get, item_ops) if _finite(v)), default=None)
 
-    series = {"this policy (FP8 GEMMs)": [worst(o, lambda op: op["numerics"].get("sqnr_db") if op["precision"] == "fp8" else None) for _, _, o in items]}
+    series = {"this policy (FP8 GEMMs)": [worst(o, lambda op: op["numerics"].get("sqnr_db") if op.get("precision") == "fp8" else None) for _, _, o in items]}
     for r in recipes:
         series[f"what-if: {r}"] = [worst(o, lambda op, r=r: (op["numerics"].get("what_if") or {}).get(r)) for _, _, o in items]
-    svg = _point_chart("plot-sqnr", "SQNR of the FP8 product against fp64 (higher is better)", items, [("SQNR (dB)", SQNR_AXIS, series)])
+    svg = _point_chart("plot-sqnr", "SQNR of the FP8 product against fp64 (higher is better)", items, x_title, [("SQNR (dB)", SQNR_AXIS, series)])
     return svg + f'<p class="caption">{_e(what)}; values beyond {SQNR_AXIS[1]:g} dB (exact products) are triangles at the edge.</p>'
 
 
@@ -230,7 +240,7 @@ def _range_plot(ops: list[dict]) -> str | None:
     measured = [op for op in ops if op.get("precision") == "fp8" and (op.get("numerics") or {}).get("operands")]
     if not measured:
         return None
-    items, what = _items(measured)
+    items, x_title, what = _items(measured)
     roles = list(dict.fromkeys(role for op in measured for role in op.get("operands") or ("left", "right")))
 
     def worst(item_ops: list[dict], role: str, key: str) -> float | None:
@@ -246,7 +256,7 @@ def _range_plot(ops: list[dict]) -> str | None:
         (label, None, {role: [worst(o, role, key) for _, _, o in items] for role in roles})
         for label, key in (("underflow (% flushed to 0)", "underflow_pct"), ("saturation (% clamped)", "saturation_pct"))
     ]
-    svg = _point_chart("plot-range", "FP8 range: operand values lost to underflow and saturation", items, panels)
+    svg = _point_chart("plot-range", "FP8 range: operand values lost to underflow and saturation", items, x_title, panels)
     return svg + f'<p class="caption">{_e(what)}; one marker per operand role.</p>'
 
 
@@ -261,7 +271,7 @@ def _speedup_plot(ops: list[dict]) -> str | None:
         return None
     keys = list(groups)
     if len(keys) > MAX_BARS:
-        largest = set(sorted(keys, key=lambda k: -sum(op["flops"] for op in groups[k]))[:MAX_BARS])
+        largest = set(sorted(keys, key=lambda k: -sum(op.get("flops", 0) for op in groups[k]))[:MAX_BARS])
         keys = [k for k in keys if k in largest]
     labels = [_short(f"{k[0]} {k[1]}" + (f" ×{len(groups[k])}" if len(groups[k]) > 1 else ""), 60) for k in keys]
     left, right, top, row, bottom = 16 + 6.2 * max(map(len, labels)), 60, 40, 16, 44
@@ -284,7 +294,7 @@ def _speedup_plot(ops: list[dict]) -> str | None:
         y, s = top + i * row, k[4]
         us = f" (BF16 {k[2]:.3g} µs, FP8 {k[3]:.3g} µs)" if _finite(k[2]) and _finite(k[3]) else ""
         out.append(f'<text x="{left - 6:.1f}" y="{y + 12}" text-anchor="end">{_e(label)}</text>')
-        out.append(f'<rect x="{left:.1f}" y="{y + 2}" width="{x(s) - left:.1f}" height="{row - 4}" fill="{RED if s < 1 else GREEN}"><title>{_e(label)}: ×{s:.3f}{us}</title></rect>')
+        out.append(f'<rect x="{left:.1f}" y="{y + 2}" width="{max(0.0, x(s) - left):.1f}" height="{row - 4}" fill="{RED if s < 1 else GREEN}"><title>{_e(label)}: ×{s:.3f}{us}</title></rect>')
         out.append(f'<text x="{x(s) + 4:.1f}" y="{y + 12}">{s:.2f}</text>')
     out.append(f'<line x1="{x(1):.1f}" x2="{x(1):.1f}" y1="{top - 6}" y2="{axis_y}" stroke="#1f2328" stroke-dasharray="4 3"/>')
     out.append(f'<text x="{x(1):.1f}" y="{top - 9}" text-anchor="middle">1.0 = BF16</text>')
@@ -314,12 +324,17 @@ def _row(op: dict) -> str:
         (op.get("precision"), "prec"),
         ("×".join(op["formats"]) if op.get("formats") else "-", ""),
         (f"{op.get('scaling')} {op.get('granularity')}" if fp8 else "-", ""),
-        (op.get("epilogue") or "-" if fp8 else "-", ""),
+        (op.get("epilogue") or "-" if fp8 else "-", "epi"),
         (f"{speedup:.2f}" if _finite(speedup) else "-", "num slower" if fp8 and _finite(speedup) and speedup < 1 else "num"),
         (f"{sqnr:.1f}" if _finite(sqnr) else "-", "num"),
         (op.get("reason"), "reason"),
     ]
-    tds = "".join(f'<td class="{cls}">{_e(text)}</td>' if cls else f"<td>{_e(text)}</td>" for text, cls in cells)
+    tds = "".join(
+        f'<td class="{cls}">{_e(text).replace(",", ",<wbr>")}</td>' if cls == "epi"  # wraps after the commas of "bias,gelu,..."
+        else f'<td class="{cls}">{_e(text)}</td>' if cls
+        else f"<td>{_e(text)}</td>"
+        for text, cls in cells
+    )
     return f'<tr class="{"fp8" if fp8 else "high"}">{tds}</tr>'
 
 

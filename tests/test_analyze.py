@@ -90,7 +90,7 @@ def test_model_file_without_a_model(tmp_path):
 
 
 def test_bad_format_and_both_policy_sources(tmp_path):
-    assert "--format must be table, json or md" in run("analyze", ASSETS / "mlp.py", "--format", "xml").output
+    assert "--format must be one of table, json, md, html" in run("analyze", ASSETS / "mlp.py", "--format", "xml").output
     assert "not both" in run("analyze", ASSETS / "mlp.py", "--policy", tmp_path / "p.yaml", "--recipe", "rowwise").output
     assert "unknown recipe 'fast'" in run("analyze", ASSETS / "mlp.py", "--recipe", "fast").output
 
@@ -155,3 +155,53 @@ def test_markdown_report_has_one_row_per_gemm():
     assert len(rows) == 1 + 8  # header + every GEMM
     assert rows[0].startswith("| graph | site |") and "- 5/8 GEMMs in FP8" in result.stdout
     assert all(row.count(" | ") == rows[0].count(" | ") for row in rows)  # no cell breaks the table
+
+
+def test_numerics_from_calibration_data_in_json(tmp_path):
+    result = run("analyze", ASSETS / "transformer.py", "--train", "--numerics", "--calibrate", "2", "--format", "json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["schema"] == "fp8fx.report/1" and data["summary"]["numerics_batches"] == 2
+    linear = [op for op in data["ops"] if op["op"] in ("mm", "addmm")]
+    fp8 = [op for op in linear if op["precision"] == "fp8"]
+    assert fp8 and all(op["numerics"]["sqnr_db"] > 10 and len(op["numerics"]["operands"]) == 2 for op in fp8)
+    assert all(set(op["numerics"]["what_if"]) == set(fp8fx.policy.RECIPES) for op in linear)
+
+
+def test_suggest_policy_from_numerics_writes_a_valid_policy(tmp_path):
+    out = tmp_path / "suggested.yaml"
+    result = run("analyze", ASSETS / "mlp.py", "--train", "--numerics", "--min-sqnr", "40", "--suggest-policy", out)
+    assert result.exit_code == 0, result.output
+    assert "rule(s) added" in result.output
+    policy = fp8fx.load_policy(out)  # valid
+    assert len(policy.rules) >= 1 and "SQNR" in out.read_text()
+    again = run("analyze", ASSETS / "mlp.py", "--train", "--policy", out, "--format", "json")
+    assert json.loads(again.stdout)["summary"]["fp8_gemms"] == 0  # every FP8 GEMM of a tiny MLP is below 40 dB
+
+
+def test_html_report_is_written(tmp_path):
+    out = tmp_path / "report.html"
+    result = run("analyze", ASSETS / "mlp.py", "--train", "--numerics", "--format", "html", "-o", out)
+    assert result.exit_code == 0, result.output
+    page = out.read_text()
+    assert page.startswith("<!DOCTYPE html>") and 'id="plot-sqnr"' in page
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--suggest-policy", "x.yaml"], "--suggest-policy needs --target (speed) or --numerics"),
+        (["--target", "gtx480"], "unknown"),
+        (["--target", "fp8=abc"], "fp8"),
+    ],
+)
+def test_analyze_option_errors(args, message):
+    result = run("analyze", ASSETS / "mlp.py", *args)
+    assert result.exit_code == 1 and message in result.output, result.output
+
+
+def test_bad_calibration_data_is_one_clear_error():
+    result = run("analyze", ASSETS / "bad_calibration.py", "--numerics")
+    assert result.exit_code == 1
+    assert "calibration_data() must give a tensor or a tuple of tensors, got str" in result.output
+    assert "Traceback" not in result.output

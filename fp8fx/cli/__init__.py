@@ -105,8 +105,15 @@ def analyze(
         _fail("give --policy or --recipe, not both")
     if suggest is not None and target is None and not numerics:
         _fail("--suggest-policy needs --target (speed) or --numerics (accuracy) to decide from")
+    spec = None
+    if target is not None:
+        from fp8fx.costmodel import gpu
+
+        try:
+            spec = gpu(target)
+        except ValueError as e:
+            _fail(f"--target: {e}")
     try:
-        spec = _target(target) if target is not None else None
         chosen = load_policy(policy) if policy is not None else Policy.from_recipe(recipe) if recipe is not None else Policy()
         loaded = load_model_file(model_file, real_weights=numerics)
         calibration = loaded.calibration(calibrate) if numerics else None
@@ -114,7 +121,7 @@ def analyze(
             report = run_analysis(loaded.model, loaded.example_inputs, chosen, train=train, loss_fn=loaded.loss_fn, calibration=calibration, progress=progress)
         if spec is not None:
             report = report.with_predictions(spec)
-    except (PolicyError, ModelFileError, ValueError) as e:
+    except (PolicyError, ModelFileError) as e:
         if debug:
             raise
         _fail(str(e))
@@ -134,12 +141,6 @@ def analyze(
             assert_coverage(report, fail_under)
         except CoverageError as e:
             _fail(str(e))
-
-
-def _target(text: str):
-    from fp8fx.costmodel import gpu
-
-    return gpu(text)
 
 
 def _emit(report, fmt: str, output: Path | None) -> None:
