@@ -7,8 +7,8 @@ The model file convention (what `fp8fx analyze MODEL.py` looks for):
     def loss_fn(output) -> Tensor            # optional, for --train; default: output.float().sum()
     def calibration_data() -> Iterable       # optional, for --numerics: batches like example_inputs()
 
-With `build_model()`, the model is built on the meta device: no weights are allocated and the
-same passes that compile the model decide every GEMM from shapes alone. For numerics it is built
+With `build_model()`, the model is built on the meta device and analysed on fake CPU tensors: no
+weights are allocated and the same passes that compile the model decide every GEMM from shapes alone. For numerics it is built
 with real (initialised) weights, and measured on `calibration_data()` or, without it, on batches
 from `example_inputs()`.
 """
@@ -26,12 +26,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fp8fx.compiler import backend as make_backend
 from fp8fx.compiler import report as report_of
 from fp8fx.numerics import NumericsCollector, collecting
-from fp8fx.policy import Policy
-from fp8fx.reporting import Report
+from fp8fx.policy import Policy, Rule
+from fp8fx.reporting import Report, has_values
 from fp8fx.state import prepare
 
 _BUILD_HINT = "add `def build_model(): return MyModel(...)` (built on the meta device: no weights) or a module-level `model = MyModel(...)`"
@@ -182,6 +183,17 @@ def _renamed(op, prefix: str, new_prefix: str):
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
+def _fake_cpu_if_meta(model: nn.Module, inputs: tuple) -> tuple:
+    """A model on the meta device gets fake CPU tensors instead (still no memory), and so do its
+    inputs: PyTorch picks attention kernels by device, and on meta it would trace attention as
+    unfused matmuls and a softmax over the full score matrix, unlike any real device."""
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers(), *inputs)):
+        return inputs
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        return tuple(torch.empty_like(t, device="cpu") if t.is_meta else t for t in inputs)
+
+
 def _compile_and_run(model, batches, policy, train, loss_fn, collector, progress, stage) -> Report:
     backend = make_backend(policy=policy, inner="eager")
     backend.numerics = collector
@@ -225,54 +237,68 @@ def analyze(
     from the same passes as a compile); each record's `numerics` then holds its operands' amax,
     scale, underflow and saturation and its SQNR, for the policy's decision and every named recipe.
 
-    `progress(stage, done, total)` is called as batches run. A policy with delayed scaling calls
+    With `train`, a second run with every GEMM high measures what FP8 saves in the activations
+    kept for backward. `progress(stage, done, total)` is called as batches run. A policy with delayed scaling calls
     `fp8fx.prepare(model)`: the model gets its scaling state."""
     policy = policy or Policy()
     if calibration is not None:
         if not calibration:
             raise ValueError("fp8fx.analyze: calibration holds no batch")
-        if any(p.device.type == "meta" for p in model.parameters()):
+        if any(not has_values(p) for p in model.parameters()):
             raise ValueError("fp8fx.analyze: numerics need real weights, but the model is on the meta device")
         fold_repeated = False  # the blocks' values differ
+    example_inputs = _fake_cpu_if_meta(model, example_inputs)
     if policy.uses_delayed_scaling:
         prepare(model)  # delayed scaling keeps its state in the model
-    folded = _foldable_blocks(model, policy) if fold_repeated else []
-    for _, parent, attr, blocks in folded:
-        setattr(parent, attr, nn.ModuleList(blocks[:1]))
-    try:
-        report = _compile_and_run(model, [example_inputs], policy, train, loss_fn, None, progress, "analysis")
-    finally:
-        for _, parent, attr, blocks in folded:
-            setattr(parent, attr, blocks)
-    ops = []
-    for op in report.ops:
-        ops.append(op)
-        for name, _, _, blocks in folded:
-            first = f"{name}.0"
-            if op.fqn == first or op.fqn.startswith(first + "."):
-                ops += [_renamed(op, first, f"{name}.{i}") for i in range(1, len(blocks))]
+    report = _traced(model, example_inputs, policy, train, loss_fn, fold_repeated, progress, "analysis")
+    if train:  # what the same step saves for backward with every GEMM in high precision
+        high = Policy(policy.defaults, (Rule(match="*", precision="high"),))
+        report.saved_bytes_high_precision = sum(_traced(model, example_inputs, high, train, loss_fn, fold_repeated, progress, "baseline").saved_bytes.values())
     if calibration is not None:
         collector = NumericsCollector()
         _compile_and_run(model, calibration, policy, train, loss_fn, collector, progress, "numerics")
         measured = collector.results()
-        ops = [replace(op, numerics=measured.get((op.graph, op.site, op.role))) for op in ops]
+        report.ops = [replace(op, numerics=measured.get((op.graph, op.site, op.role))) for op in report.ops]
+    return report
+
+
+def _traced(model, example_inputs, policy, train, loss_fn, fold_repeated, progress, stage) -> Report:
+    """One analysis run; with `fold_repeated`, through one block of each foldable stack."""
+    folded = _foldable_blocks(model, policy) if fold_repeated else []
+    for _, parent, attr, blocks in folded:
+        setattr(parent, attr, nn.ModuleList(blocks[:1]))
+    try:
+        report = _compile_and_run(model, [example_inputs], policy, train, loss_fn, None, progress, stage)
+    finally:
+        for _, parent, attr, blocks in folded:
+            setattr(parent, attr, blocks)
+
+    def copies(name: str, blocks: nn.ModuleList, fqn: str) -> list[str]:
+        """FQNs in the untraced blocks that `fqn` (in block 0) stands for."""
+        first = f"{name}.0"
+        if fqn != first and not fqn.startswith((first + ".", first + ":")):
+            return []
+        return [f"{name}.{i}" + fqn[len(first) :] for i in range(1, len(blocks))]
+
+    ops = []
+    for op in report.ops:
+        ops.append(op)
+        for name, _, _, blocks in folded:
+            if copies(name, blocks, op.fqn):
+                ops += [_renamed(op, f"{name}.0", f"{name}.{i}") for i in range(1, len(blocks))]
 
     def unfolded(per_fqn: dict[str, int]) -> dict[str, int]:
         out = dict(per_fqn)
         for name, _, _, blocks in folded:
-            first = f"{name}.0"
             for fqn, n in per_fqn.items():
-                if fqn == first or fqn.startswith(first + "."):
-                    out.update({f"{name}.{i}" + fqn[len(first) :]: n for i in range(1, len(blocks))})
+                out.update(dict.fromkeys(copies(name, blocks, fqn), n))
         return out
 
-    training = report.saved_bytes is not None
     return Report(
         ops,
         folded={name: len(blocks) for name, _, _, blocks in folded},
         non_gemm_bytes=unfolded(report.non_gemm_bytes),
-        fp8_spared_bytes=unfolded(report.fp8_spared_bytes) if training else None,
-        saved_bytes=unfolded(report.saved_bytes) if training else None,
+        saved_bytes=unfolded(report.saved_bytes) if report.saved_bytes is not None else None,
     )
 
 

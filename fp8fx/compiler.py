@@ -43,10 +43,8 @@ class GraphRecord:
     params: list[weakref.ref] = field(default_factory=list)
     state: Fp8State | None = None
     non_gemm_bytes: dict[str, int] = field(default_factory=dict)  # per module FQN (fp8fx.traffic)
-    # Training graphs partitioned by fp8fx (eager inner): activation bytes saved for backward,
-    # and the part of them FP8 spares, per module FQN.
+    # Training graphs partitioned by fp8fx (eager inner): bytes saved for backward per module FQN.
     saved_bytes: dict[str, int] | None = None
-    fp8_spared_bytes: dict[str, int] | None = None
 
     def belongs_to(self, param_ids: set[int]) -> bool:
         alive = [p() for p in self.params]
@@ -184,7 +182,7 @@ class Fp8fxBackend:
             rewrite(joint_gm)
             forward, backward = min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
             record = self.graphs[-1]
-            record.saved_bytes, record.fp8_spared_bytes = saved_activation_bytes(forward, kwargs["num_fwd_outputs"])
+            record.saved_bytes = saved_activation_bytes(forward, kwargs["num_fwd_outputs"])
             return forward, backward
 
         def boxed(kind: str):
@@ -325,6 +323,5 @@ def _report(graphs: list[GraphRecord]) -> Report:
     return Report(
         [op.with_state(g.state) for g in graphs for op in g.ops],
         non_gemm_bytes=summed(g.non_gemm_bytes for g in graphs),
-        fp8_spared_bytes=summed(g.fp8_spared_bytes for g in training) if training else None,
         saved_bytes=summed(g.saved_bytes for g in training) if training else None,
     )

@@ -7,11 +7,19 @@ from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
 from fp8fx.passes.assign_precision import Decision
 from fp8fx.passes.find_matmuls import Gemm, MatmulSite
 from fp8fx.passes.graph_utils import META_KEY
 
 SCHEMA = "fp8fx.report/1"  # version of the to_dict()/JSON layout; bumped when a field changes meaning
+
+
+def has_values(t: torch.Tensor) -> bool:
+    """False for shape-only tensors (meta device, or fake tensors of an analysis)."""
+    return not (t.is_meta or isinstance(t, FakeTensor))
 
 
 def _dim(d: Any) -> int | str:
@@ -117,7 +125,7 @@ class OpRecord:
         if state is None or not self.state_keys or not any(self.state_keys):
             return self
         found = [state.get(key) if key else None for key in self.state_keys]
-        if any(f is None for f in found) or found[0].scale.is_meta:  # shape-only analysis: no values
+        if any(f is None for f in found) or not has_values(found[0].scale):  # shape-only analysis
             return self
         scales = tuple(f.scale.item() for f in found)
         return replace(
@@ -150,23 +158,23 @@ class Report:
         ops: list[OpRecord],
         folded: dict[str, int] | None = None,
         non_gemm_bytes: dict[str, int] | None = None,
-        fp8_spared_bytes: dict[str, int] | None = None,
         saved_bytes: dict[str, int] | None = None,
     ):
         self.ops = list(ops)
         # Analysis of repeated blocks: list FQN -> blocks whose records copy the first block's.
         self.folded = dict(folded or {})
-        # Per module FQN (fp8fx.traffic): bytes moved by non-GEMM ops; activation bytes saved for
-        # backward and the part FP8 spares (None: no training graph partitioned by fp8fx).
+        # Per module FQN (fp8fx.traffic): bytes moved by non-GEMM ops, and bytes saved for backward
+        # (None: no training graph partitioned by fp8fx). fp8fx.analyze adds what the same step
+        # saves with every GEMM in high precision.
         self.non_gemm_bytes = dict(non_gemm_bytes or {})
-        self.fp8_spared_bytes = fp8_spared_bytes
         self.saved_bytes = saved_bytes
+        self.saved_bytes_high_precision: int | None = None
         self.target = None  # fp8fx.costmodel.GpuSpec the predictions are for
         self.step = None  # its fp8fx.costmodel.StepPrediction
 
     def _with(self, ops: list[OpRecord]) -> Report:
-        new = Report(ops, self.folded, self.non_gemm_bytes, self.fp8_spared_bytes, self.saved_bytes)
-        new.target, new.step = self.target, self.step
+        new = Report(ops, self.folded, self.non_gemm_bytes, self.saved_bytes)
+        new.saved_bytes_high_precision, new.target, new.step = self.saved_bytes_high_precision, self.target, self.step
         return new
 
     def with_predictions(self, target) -> Report:  # noqa: ANN001 - a GpuSpec or its name / spec string
@@ -211,7 +219,9 @@ class Report:
             "memory_passes_saved": sum(op.memory_passes_saved or 0 for op in self.fp8_ops),
             "non_finite_amax_events": {op.site + "." + op.role: op.non_finite for op in self.ops if op.non_finite and any(op.non_finite)},
             "saved_for_backward_bytes": sum(self.saved_bytes.values()) if self.saved_bytes is not None else None,
-            "fp8_saved_activation_bytes": sum(self.fp8_spared_bytes.values()) if self.fp8_spared_bytes is not None else None,
+            "fp8_saved_activation_bytes": (
+                self.saved_bytes_high_precision - sum(self.saved_bytes.values()) if self.saved_bytes_high_precision is not None else None
+            ),
             "target": self.target.name if self.target else None,
             "predicted_step_speedup": self.step.speedup if self.step else None,
             "predicted_gemm_speedup": self.step.gemm_speedup if self.step else None,
@@ -285,10 +295,10 @@ class Report:
         if s["folded_blocks"]:
             lines.append("repeated blocks traced once: " + ", ".join(f"{k} x{v}" for k, v in s["folded_blocks"].items()))
         if s["saved_for_backward_bytes"]:
-            lines.append(
-                f"activations saved for backward: {_mib(s['saved_for_backward_bytes'])}; "
-                f"FP8 saves {_mib(s['fp8_saved_activation_bytes'])} of what high precision would keep"
-            )
+            line = f"activations saved for backward: {_mib(s['saved_for_backward_bytes'])}"
+            if s["fp8_saved_activation_bytes"] is not None:
+                line += f" ({_mib(s['saved_for_backward_bytes'] + s['fp8_saved_activation_bytes'])} with every GEMM in high precision)"
+            lines.append(line)
         if self.step:
             lines.append(
                 f"predicted on {s['target']}: step {s['predicted_step_speedup']:.2f}x faster than BF16 (GEMMs alone "

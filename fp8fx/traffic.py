@@ -1,5 +1,5 @@
-"""Bytes a compiled graph moves outside its GEMMs, and bytes FP8 saves in what forward keeps for
-backward; both per module FQN, so an analysis that traced one of N identical blocks can copy them.
+"""Bytes a compiled graph moves outside its GEMMs, and bytes forward keeps for backward; both per
+module FQN, so an analysis that traced one of N identical blocks can copy them.
 
 Read by the cost model (non-GEMM time of a step) and the report's memory summary."""
 
@@ -45,25 +45,16 @@ def _owner(node: fx.Node) -> str:
     return fqn
 
 
-def saved_activation_bytes(forward: fx.GraphModule, num_fwd_outputs: int) -> tuple[dict[str, int], dict[str, int]]:
-    """From a partitioned forward graph, per module FQN: bytes of activations saved for backward
-    (graph inputs such as parameters are not counted), and the bytes FP8 spares: an FP8 activation
-    kept instead of its high-precision source spares the difference; an FP8 copy of a parameter
-    (alive anyway) costs its size."""
+def saved_activation_bytes(forward: fx.GraphModule, num_fwd_outputs: int) -> dict[str, int]:
+    """From a partitioned forward graph, per module FQN: bytes of the tensors saved for backward,
+    graph inputs (parameters) excepted."""
     output = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
     saved: dict[str, int] = defaultdict(int)
-    spared: dict[str, int] = defaultdict(int)
     for node in output.args[0][num_fwd_outputs:]:
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
         if not isinstance(val, torch.Tensor) or not isinstance(val.numel(), int):
             continue
         root, _ = strip_layout(node)
-        if root.op == "placeholder":
-            continue
-        fqn = module_fqn(root)
-        saved[fqn] += val.numel() * val.element_size()
-        source = root.args[0].meta.get("val") if root.args and isinstance(root.args[0], fx.Node) else None
-        if val.dtype in FP8_DTYPES and isinstance(source, torch.Tensor):
-            parameter = strip_layout(root.args[0])[0].op == "placeholder"
-            spared[fqn] += -val.numel() if parameter else val.numel() * (source.element_size() - 1)
-    return dict(saved), dict(spared)
+        if root.op != "placeholder":
+            saved[module_fqn(root)] += val.numel() * val.element_size()
+    return dict(saved)

@@ -19,7 +19,7 @@ RECIPES = ("tensorwise", "rowwise")
 
 
 def analysed(layers: int) -> dict:
-    """The JSON dict of a shape-only training analysis of a small Llama (2 bmm sites per layer stay high)."""
+    """The JSON dict of a shape-only training analysis of a small Llama (fused attention stays high)."""
     inputs = (torch.randint(0, 512, (1, 64), device="meta"),)
     return fp8fx.analyze(meta_llama(layers), inputs, train=True).to_dict()
 
@@ -78,6 +78,9 @@ def test_notes_replace_plots_without_data(plain):
 
 
 def test_one_red_cell_per_fp8_gemm_predicted_slower(full):
+    full = copy.deepcopy(full)
+    high = next(op for op in full["ops"] if op["precision"] == "high")
+    high["predicted"]["speedup"] = 0.5  # a high-precision GEMM predicted slower gets no red cell
     page = render_html(full)
     expected = sum(slower(op) for op in full["ops"])
     high_slower = sum(op["precision"] == "high" and op["predicted"]["speedup"] < 1 for op in full["ops"])
@@ -113,7 +116,7 @@ def test_absent_and_null_fields():
 
 def test_a_70b_sized_report_stays_small():
     data = with_extras(analysed(80))
-    assert len(data["ops"]) > 2000
+    assert len(data["ops"]) == 80 * 23 + 3
     page = render_html(data)
     svgs = re.findall(r"<svg.*?</svg>", page, re.S)
     assert len(svgs) == 3

@@ -1,0 +1,230 @@
+"""Predicted time of each GEMM of a report in BF16 and in FP8 on a target GPU, and of a whole step.
+
+The model, per GEMM (an `OpRecord`):
+
+- GEMM time = launch + max(compute, memory). Compute splits the output into 128x128 tiles (times
+  the batch) that run in waves over the SMs; each wave costs the tile's main loop over K at
+  `gemm_efficiency` of the dense peak shared by the SMs, plus `tile_overhead_us` (filling the
+  operand pipeline, storing the output tile). So a partly filled last wave is paid whole, short-K
+  GEMMs reach less of the peak, and FP8, whose main loop runs twice as fast, loses relatively
+  more to the fixed part. An output of fewer tiles than SMs is split along K (split-K, parts of at
+  least `SPLIT_K_MIN` of K) as cuBLAS and CUTLASS do. Memory moves both operands (2 bytes an
+  element in BF16, 1 in FP8) and the BF16 output at `memory_efficiency` of HBM bandwidth.
+  Rowwise and blockwise FP8 kernels run their main loop at `rowwise_efficiency` /
+  `blockwise_efficiency` of the tensorwise rate (per-row scales in the epilogue; blockwise
+  promotes partial sums to FP32 every 128 of K).
+- The passes FP8 adds, each one kernel (`launch_us`) streaming bytes at `memory_efficiency` of
+  HBM bandwidth, from a 2-byte (BF16) source:
+  - tensorwise: each tensor is cast once and the FP8 copy shared, charged on one GEMM: the input
+    and the weight on `output`, grad_output on `grad_input`. A cast reads 2 and writes 1 byte an
+    element; dynamic scaling adds an amax pass before it (reads 2), delayed scaling takes the amax
+    inside the cast. Hopper and Blackwell FP8 tensor cores read both operands K-major, so the
+    weight (for grad_input), grad_output and the input (for grad_weight) also need a transposed
+    FP8 copy (reads 1, writes 1), charged on the GEMM that reads it.
+  - rowwise and blockwise: scales follow each GEMM's layout, so every GEMM casts both of its
+    operands from the BF16 tensor (amax + cast, written in the layout it reads): no sharing, no
+    transposed copies.
+  fp8fx's own savings (amax from a producer's epilogue, casts fused into GEMMs) are not credited:
+  the passes are those of an unfused recipe, as TransformerEngine and torchao run them.
+- A GEMM kept high costs its BF16 time in both columns. Fused attention (`sdpa`) is one kernel
+  running its counted FLOPs (the full square: a causal kernel skips half of them but runs further
+  from the peak) at `gemm_efficiency` of the BF16 peak; its score matrix is never stored. A GEMM
+  with a dynamic (symbolic) dimension has no prediction.
+
+A step (`predict_step`) is the sum of its GEMMs plus the non-GEMM time: the bytes the other ops
+move (`Report.non_gemm_bytes`) at `memory_efficiency` of HBM bandwidth, the same in BF16 and FP8.
+Communication, the optimizer, recomputation and host overheads are outside the model.
+
+One set of parameters serves every target. `tests/test_costmodel.py` checks the predictions
+against published figures, each with its tolerance: TransformerEngine's GEMM-level speedups on
+H200 for a 5B-shaped layer (delayed 1.69x, current 1.57x, block 1.41x, raw kernel 1.92x; predicted
+1.70, 1.62, 1.34, 1.94), torchao's Llama3-8B training step on H100 (tensorwise 1.25x, rowwise
+1.10x; predicted 1.25 and 1.14) and the trends of a GPT-3-shaped block sweep (TP=8).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fp8fx.reporting import OpRecord
+
+TILE = 128  # output tile edge (both formats): the unit of wave quantization
+SPLIT_K_MIN = 512  # split-K never leaves a part shorter than this along K
+HIGH_BYTES = 2  # bytes an element of the high-precision (BF16) tensors
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """A target GPU: datasheet peaks, and the achievable fractions the model applies to them."""
+
+    name: str
+    fp8_tflops: float  # dense tensor-core peak
+    bf16_tflops: float
+    hbm_tbps: float  # memory bandwidth, TB/s
+    sms: int
+    # Fraction of the dense peak a GEMM's main loop sustains. With the tile overhead and wave
+    # quantization below, large BF16 GEMMs come out at about 0.75 of peak (740-750 TFLOP/s on H100
+    # SXM, near what cuBLAS is commonly measured at); FP8 kernels at the same fraction of theirs.
+    gemm_efficiency: float = 0.8
+    # Fraction of HBM bandwidth a streaming kernel (amax, cast, transpose, elementwise) reaches.
+    memory_efficiency: float = 0.85
+    # Launching one kernel and draining it: what a small kernel costs however little it does.
+    launch_us: float = 3.0
+    # Per wave of tiles, time outside the main loop (pipeline fill, output-tile store): at K=4096
+    # about 4% of a BF16 tile's time and 8% of an FP8 one's.
+    tile_overhead_us: float = 1.0
+    # Main-loop rate of rowwise and blockwise FP8 GEMMs relative to tensorwise. Rowwise: PyTorch's
+    # CUTLASS kernel runs most shapes at 90-100% of tensorwise, with a tail lower
+    # (pytorch/pytorch#147971). Blockwise (FP32 promotion every 128 of K): between FBGEMM's 2024
+    # kernel (~75% of its rowwise one, pytorch/FBGEMM#2546) and DeepGEMM (up to 1550 TFLOP/s on H800).
+    rowwise_efficiency: float = 0.9
+    blockwise_efficiency: float = 0.85
+
+    def gemm_us(self, m: int, n: int, k: int, batch: int, tflops: float, operand_bytes: int) -> float:
+        """One GEMM (left m x k, right k x n, `batch` of them) at `tflops` dense peak."""
+        tiles = max(1, batch * math.ceil(m / TILE) * math.ceil(n / TILE))
+        splits = max(1, min(self.sms // tiles, k // SPLIT_K_MIN)) if tiles < self.sms else 1
+        waves = math.ceil(tiles * splits / self.sms)
+        sm_flops_per_us = tflops * 1e6 * self.gemm_efficiency / self.sms
+        compute = waves * (2 * TILE * TILE * math.ceil(k / splits) / sm_flops_per_us + self.tile_overhead_us)
+        memory = self.stream_us(batch * ((m * k + k * n) * operand_bytes + m * n * HIGH_BYTES))
+        return self.launch_us + max(compute, memory)
+
+    def stream_us(self, nbytes: float) -> float:
+        """Moving `nbytes` through HBM at the achievable bandwidth."""
+        return nbytes / (self.hbm_tbps * 1e6 * self.memory_efficiency)
+
+    def pass_us(self, nbytes: float) -> float:
+        """One memory-bound kernel moving `nbytes`."""
+        return self.launch_us + self.stream_us(nbytes)
+
+
+# Dense peaks and bandwidths from NVIDIA's datasheets (the sparse figures halved): H100 Tensor Core
+# GPU datasheet (SXM5 and PCIe columns), H200 datasheet (SXM), H800 SXM5 product sheet (H100 SXM
+# compute, 3.35 TB/s), HGX B200 datasheet (1,000 W: 4.5 PFLOP/s FP8, 2.25 BF16, 7.7 TB/s);
+# SM counts from the Hopper whitepaper (132 SXM, 114 PCIe) and B200's 148.
+_H100_SXM = GpuSpec("h100-sxm", fp8_tflops=1979, bf16_tflops=989, hbm_tbps=3.35, sms=132)
+TARGETS: dict[str, GpuSpec] = {
+    "h100": _H100_SXM,
+    "h100-sxm": _H100_SXM,
+    "h100-pcie": GpuSpec("h100-pcie", fp8_tflops=1513, bf16_tflops=756, hbm_tbps=2.0, sms=114),
+    "h200": GpuSpec("h200", fp8_tflops=1979, bf16_tflops=989, hbm_tbps=4.8, sms=132),
+    "h800": GpuSpec("h800", fp8_tflops=1979, bf16_tflops=989, hbm_tbps=3.35, sms=132),
+    "b200": GpuSpec("b200", fp8_tflops=4500, bf16_tflops=2250, hbm_tbps=7.7, sms=148),
+}
+
+_SPEC_KEYS = {"fp8": "fp8_tflops", "bf16": "bf16_tflops", "bw": "hbm_tbps", "sms": "sms"}
+_SPEC_FORM = "fp8=TFLOPS,bf16=TFLOPS,bw=TB/s,sms=N[,name=NAME]"
+
+
+def gpu(spec: str) -> GpuSpec:
+    """A target by name (case-insensitive, see `TARGETS`) or a spec like
+    "fp8=1979,bf16=989,bw=3.35,sms=132,name=mygpu" (dense TFLOP/s, TB/s, SM count)."""
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{what}; known targets: {', '.join(TARGETS)}, or a spec {_SPEC_FORM}")
+
+    text = spec.strip()
+    if "=" not in text:
+        if text.lower() not in TARGETS:
+            raise bad(f"unknown GPU target {spec!r}")
+        return TARGETS[text.lower()]
+    name, numbers = "custom", {}
+    for part in text.split(","):
+        key, sep, value = (s.strip() for s in part.partition("="))
+        key = key.lower()
+        if not sep or key not in (*_SPEC_KEYS, "name") or _SPEC_KEYS.get(key) in numbers:
+            raise bad(f"GPU spec {spec!r}: bad part {part.strip()!r} (keys fp8, bf16, bw, sms, name, each at most once)")
+        if key == "name":
+            name = value or name
+            continue
+        try:
+            number = int(value) if key == "sms" else float(value)
+        except ValueError:
+            number = 0
+        if not 0 < number < math.inf:
+            raise bad(f"GPU spec {spec!r}: {key}={value!r} is not a positive {'integer' if key == 'sms' else 'number'}")
+        numbers[_SPEC_KEYS[key]] = number
+    missing = [key for key, field in _SPEC_KEYS.items() if field not in numbers]
+    if missing:
+        raise bad(f"GPU spec {spec!r}: missing {', '.join(missing)}")
+    return GpuSpec(name, **numbers)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    bf16_us: float  # this GEMM in BF16
+    fp8_us: float  # as decided: the FP8 GEMM plus the passes its casts add; bf16_us for a GEMM kept high
+    passes_us: float  # the amax / cast / transpose part of fp8_us
+
+    @property
+    def speedup(self) -> float:
+        return self.bf16_us / self.fp8_us
+
+
+# (GEMM role, operand role) pairs that read a transposed FP8 copy under tensorwise scaling.
+_TRANSPOSED = {("grad_input", "weight"), ("grad_weight", "grad_output"), ("grad_weight", "input")}
+# The GEMM that casts (and owns) each operand's shared tensorwise FP8 copy.
+_CAST_ON = {"input": "output", "weight": "output", "grad_output": "grad_input"}
+
+
+def _passes_us(op: OpRecord, gpu: GpuSpec, numels: tuple[int, int]) -> float:
+    def cast(numel: int) -> float:  # amax pass (dynamic scaling only), then read BF16 and write FP8
+        amax = gpu.pass_us(HIGH_BYTES * numel) if op.scaling != "delayed" else 0.0
+        return amax + gpu.pass_us((HIGH_BYTES + 1) * numel)
+
+    total = 0.0
+    for operand, numel in zip(op.operands, numels):
+        if op.granularity != "tensorwise":  # every GEMM casts its own operands
+            total += cast(numel)
+        elif (op.role, operand) in _TRANSPOSED:
+            total += gpu.pass_us(2 * numel)  # read the FP8 copy, write it transposed
+        elif _CAST_ON.get(operand, op.role) == op.role:
+            total += cast(numel)
+    return total
+
+
+def predict(op: OpRecord, gpu: GpuSpec) -> Prediction | None:
+    """Predicted time of one GEMM on `gpu` in BF16 and as decided; None when a dimension is dynamic."""
+    dims = (op.m, op.n, op.k, op.batch)
+    if not all(isinstance(d, int) for d in dims):
+        return None
+    m, n, k, batch = dims
+    if op.op == "sdpa":  # one fused kernel: its counted FLOPs at the GEMM efficiency, scores never stored
+        bf16 = gpu.launch_us + op.flops / (gpu.bf16_tflops * 1e6 * gpu.gemm_efficiency)
+        return Prediction(bf16, bf16, 0.0)
+    bf16 = gpu.gemm_us(m, n, k, batch, gpu.bf16_tflops, HIGH_BYTES)
+    if op.precision != "fp8":
+        return Prediction(bf16, bf16, 0.0)
+    rate = {"rowwise": gpu.rowwise_efficiency, "blockwise": gpu.blockwise_efficiency}.get(op.granularity, 1.0)
+    gemm = gpu.gemm_us(m, n, k, batch, gpu.fp8_tflops * rate, 1)
+    passes = _passes_us(op, gpu, (batch * m * k, batch * k * n))
+    return Prediction(bf16, gemm + passes, passes)
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    bf16_us: float  # the whole step in BF16: GEMMs + other
+    fp8_us: float  # as decided
+    gemm_bf16_us: float
+    gemm_fp8_us: float  # FP8 GEMMs with their passes, and the GEMMs kept high
+    other_us: float  # non-GEMM ops, memory-bound, the same in both
+
+    @property
+    def speedup(self) -> float:
+        return self.bf16_us / self.fp8_us if self.fp8_us else 1.0  # an empty step: nothing to gain
+
+    @property
+    def gemm_speedup(self) -> float:
+        return self.gemm_bf16_us / self.gemm_fp8_us if self.gemm_fp8_us else 1.0
+
+
+def predict_step(ops: list[OpRecord], non_gemm_bytes: int, gpu: GpuSpec) -> StepPrediction:
+    """A step of `ops` (GEMMs with dynamic dimensions left out) plus `non_gemm_bytes` moved by the
+    other ops (`sum(Report.non_gemm_bytes.values())`)."""
+    predictions = [p for p in (predict(op, gpu) for op in ops) if p is not None]
+    gemm_bf16 = sum(p.bf16_us for p in predictions)
+    gemm_fp8 = sum(p.fp8_us for p in predictions)
+    other = gpu.stream_us(non_gemm_bytes)
+    return StepPrediction(gemm_bf16 + other, gemm_fp8 + other, gemm_bf16, gemm_fp8, other)

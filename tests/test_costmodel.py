@@ -1,0 +1,271 @@
+"""The cost model (fp8fx.costmodel) against published FP8 speedups, and its unit behaviour.
+
+The published figures are those gathered in /work/shared/RESEARCH.md; each test cites its line.
+The model's parameters are the defaults of `GpuSpec`, the same for every test."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from helpers import meta_llama
+
+import fp8fx
+from fp8fx.costmodel import TARGETS, GpuSpec, gpu, predict, predict_step
+from fp8fx.policy import Rule
+from fp8fx.reporting import OpRecord
+
+
+def record(role, m, n, k, operands, op="mm", precision="fp8", scaling="dynamic", granularity="tensorwise", flops=None, batch=1):
+    fp8 = precision == "fp8"
+    return OpRecord(
+        graph=0, graph_kind="training", site="x", fqn="x", op=op, role=role, source="", m=m, n=n, k=k, batch=batch,
+        flops=flops if flops is not None else 2 * m * n * k * batch, precision=precision, reason_kind="policy", reason="",
+        operands=operands, formats=("e4m3", "e4m3") if fp8 else None, scaling=scaling if fp8 else None,
+        granularity=granularity if fp8 else None, blocks=None, power_of_two_scales=None, margin=0 if fp8 else None,
+        amax_history_len=None, amax_compute_algo=None, interval=None, state_keys=None,
+    )  # fmt: skip
+
+
+def linear(tokens, k_in, n_out, **kw) -> list[OpRecord]:
+    """The three GEMMs of a linear layer (k_in -> n_out features) over `tokens` rows, laid out as
+    fp8fx's analysis records them."""
+    return [
+        record("output", tokens, n_out, k_in, ("input", "weight"), **kw),
+        record("grad_input", tokens, k_in, n_out, ("grad_output", "weight"), **kw),
+        record("grad_weight", n_out, k_in, tokens, ("grad_output", "input"), **kw),
+    ]
+
+
+# --- 1. Peaks -------------------------------------------------------------------------------------
+
+
+def test_peaks_follow_the_datasheets():
+    # RESEARCH.md lines 8-9: Hopper and newer run FP8 at twice the BF16 rate, "H100 SXM dense: ~1979 TFLOP/s FP8 vs ~989 BF16".
+    h100 = gpu("h100")
+    assert h100 is TARGETS["h100-sxm"] and (h100.fp8_tflops, h100.bf16_tflops) == (1979, 989), "exact datasheet values"
+    for name, spec in TARGETS.items():
+        assert spec.fp8_tflops >= 2 * spec.bf16_tflops * 0.99, f"{name}: FP8 peak should be >= 2x BF16 within 1%"
+
+
+# --- 2. TransformerEngine, H200, 5B config: GEMM-level speedups ------------------------------------
+# RESEARCH.md lines 56-57: "H200 GEMM-level speedup vs BF16 incl. quantization on a 5B config:
+# delayed 1.69x, current 1.57x, block 1.41x (raw kernel 1.92x)".
+# Assumed config (TE does not state it): a GPT-style layer of hidden 4096 and FFN 16384
+# (24 such layers hold 24 * 12 * 4096^2 = 4.8B parameters), 8192 tokens a step (micro-batch 4 x
+# sequence 2048); the forward and backward GEMMs of its four linears (QKV, attention projection,
+# FC1, FC2). GEMM level: the linears' GEMMs and their quantization passes, no attention, no other ops.
+TE_PUBLISHED = {"delayed": 1.69, "current": 1.57, "block": 1.41, "raw": 1.92}
+TE_TOLERANCE = 0.10  # relative; predicted: delayed 1.70, current 1.62, block 1.34, raw 1.94
+
+
+def te_layer(**kw) -> list[OpRecord]:
+    tokens, hidden, ffn = 8192, 4096, 16384
+    qkv, proj = linear(tokens, hidden, 3 * hidden, **kw), linear(tokens, hidden, hidden, **kw)
+    return qkv + proj + linear(tokens, hidden, ffn, **kw) + linear(tokens, ffn, hidden, **kw)
+
+
+def te_speedup(recipe: str) -> float:
+    h200 = gpu("h200")
+    if recipe == "raw":  # the FP8 GEMMs alone, tensorwise, without their passes
+        predictions = [predict(op, h200) for op in te_layer()]
+        return sum(p.bf16_us for p in predictions) / sum(p.fp8_us - p.passes_us for p in predictions)
+    kw = {"delayed": {"scaling": "delayed"}, "current": {}, "block": {"granularity": "blockwise"}}[recipe]
+    return predict_step(te_layer(**kw), 0, h200).gemm_speedup
+
+
+@pytest.mark.parametrize("recipe", list(TE_PUBLISHED))
+def test_transformer_engine_h200_gemm_speedups(recipe):
+    published, predicted = TE_PUBLISHED[recipe], te_speedup(recipe)
+    message = f"{recipe}: predicted {predicted:.3f}x vs published {published}x (tolerance +-{TE_TOLERANCE:.0%})"
+    assert abs(predicted / published - 1) <= TE_TOLERANCE, message
+
+
+def test_transformer_engine_recipe_order():
+    speedups = [te_speedup(recipe) for recipe in ("raw", "delayed", "current", "block")]
+    assert speedups == sorted(speedups, reverse=True), f"raw > delayed > current > block, got {speedups} (no tolerance)"
+
+
+# --- 3. GPT-3-shaped one-layer block sweep, TP=8 ---------------------------------------------------
+# RESEARCH.md lines 17-20: "A 1-layer GPT-3-shaped block sweep (TP=8) shows FP8 *slower* than BF16
+# for small hidden sizes / small batch (...), 1.0-1.3x for mid sizes, >1.3x only for large models
+# or large batch x sequence; most cells stay below 1.5x, and seq 8K was worse than 4K."
+# The block as Megatron shards it over 8 GPUs: QKV h -> 3h/8 and FC1 h -> 4h/8 split by columns,
+# the attention projection h/8 -> h and FC2 4h/8 -> h by rows; causal attention over h/8 of the
+# width (fused, BF16). Widths are GPT-3's (its 13B width 5140 rounded to 5120 as Megatron does).
+# Non-GEMM bytes, estimated analytically: per token the forward writes and reads once (2 bytes
+# each) two layernorm outputs and two residual sums (h each) and the bias + GELU output (4h/8);
+# backward moves about twice what forward does: 3 x (4h + 4h/8) elements x 4 bytes a token.
+# Communication (the TP all-reduces) is left out, as in the model.
+TP = 8
+HIDDEN = (768, 1024, 1536, 2048, 2560, 4096, 5120, 12288)
+BATCH_SEQ = ((1, 2048), (4, 2048), (16, 2048), (64, 2048), (2, 4096), (8, 4096), (1, 8192), (4, 8192))
+
+
+def gpt3_block_speedup(hidden: int, batch: int, seq: int) -> float:
+    tokens = batch * seq
+    ops = linear(tokens, hidden, 3 * hidden // TP) + linear(tokens, hidden // TP, hidden)
+    ops += linear(tokens, hidden, 4 * hidden // TP) + linear(tokens, 4 * hidden // TP, hidden)
+    attention = 4 * batch * seq * seq * hidden // TP  # q @ k^T and p @ v, full square, as fp8fx counts them
+    forward, backward = ("output", ("input", "weight"), attention), ("grad_input", ("grad_output", "weight"), 2 * attention)
+    for role, operands, flops in (forward, backward):
+        ops.append(record(role, seq, seq, hidden // TP, operands, op="sdpa", precision="high", flops=flops, batch=batch))
+    non_gemm_bytes = tokens * 3 * (4 * hidden + 4 * hidden // TP) * 4
+    return predict_step(ops, non_gemm_bytes, gpu("h100")).speedup
+
+
+def test_gpt3_block_sweep_trends():
+    grid = {(h, b, s): gpt3_block_speedup(h, b, s) for h in HIDDEN for b, s in BATCH_SEQ}
+    table = "\n".join(f"{h:6d} " + " ".join(f"{grid[h, b, s]:.2f}" for b, s in BATCH_SEQ) for h in HIDDEN)
+    bands = "(qualitative bands as published, no margin)"
+    # Slower in FP8: small hidden sizes (<= 2048) at any batch, and the smallest batch x seq (2048 tokens) up to 4096.
+    slower = [cell for cell in grid if cell[0] <= 2048 or (cell[0] <= 4096 and cell[1] * cell[2] == 2048)]
+    assert all(grid[cell] < 1 for cell in slower), f"FP8 should be slower for small hidden / small batch {bands}\n{table}"
+    # Mid sizes (hidden 4096-5120, 8K tokens or more): 1.0-1.3x.
+    mid = [cell for cell in grid if 4096 <= cell[0] <= 5120 and cell[1] * cell[2] >= 8192]
+    assert all(1.0 <= grid[cell] <= 1.3 for cell in mid), f"mid sizes should gain 1.0-1.3x {bands}\n{table}"
+    # Above 1.3x only for the largest model at 8K tokens or more, and there it is reached.
+    fast = {cell for cell in grid if grid[cell] > 1.3}
+    message = f">1.3x only for large models and batch x seq {bands}\n{table}"
+    assert fast and all(h == 12288 and b * s >= 8192 for h, b, s in fast), message
+    assert sum(x < 1.5 for x in grid.values()) >= 0.9 * len(grid), f"most cells (>= 90%) should stay below 1.5x {bands}\n{table}"
+    # At equal tokens, sequence 8K gains less than 4K wherever FP8 gains (attention, kept BF16, grows with seq).
+    for h in HIDDEN:
+        for b8, b4 in ((1, 2), (4, 8)):
+            if grid[h, b4, 4096] > 1:
+                message = f"hidden {h}: seq 8K should gain less than 4K {bands}\n{table}"
+                assert grid[h, b8, 8192] < grid[h, b4, 4096], message
+
+
+# --- 4. torchao, Llama3-8B on 8xH100: training step ------------------------------------------------
+# RESEARCH.md line 62: "Llama3-8B 8xH100: +25% tok/s tensorwise with FP8 all-gather, +10% rowwise."
+# The model predicts one GPU's compute: FSDP communication (which FP8 all-gather shrinks), the
+# optimizer step, activation-checkpointing recomputation and host overhead are left out.
+# torchtitan, where torchao's figures come from, skips the output projection
+# (`module_filter_fn=lambda mod, fqn: fqn != "output"`); fp8fx's recipes put lm_head in FP8 unless a
+# rule keeps it high (checked below), so the policy here has that rule. With lm_head in FP8 the
+# predictions are 1.27 (tensorwise) and 1.15 (rowwise).
+TORCHAO_PUBLISHED = {"tensorwise": 1.25, "rowwise": 1.10}
+TORCHAO_TOLERANCE = 0.1  # absolute; predicted: tensorwise 1.25, rowwise 1.14
+SEQ = 8192
+
+
+def llama3_8b_report(recipe: str, seq: int) -> fp8fx.Report:
+    model = meta_llama(32, hidden=4096, inter=14336, heads=32, kv=8, vocab=128256)
+    policy = fp8fx.Policy.from_recipe(recipe, rules=(Rule(match="lm_head", precision="high"),))
+    return fp8fx.analyze(model, (torch.zeros(1, seq, dtype=torch.long, device="meta"),), policy, train=True)
+
+
+@pytest.fixture(scope="module")
+def llama3_8b():
+    """Shape-only reports at sequence 8192 per recipe (attention traced as the fused kernel a GPU runs)."""
+    return {recipe: llama3_8b_report(recipe, SEQ) for recipe in TORCHAO_PUBLISHED}
+
+
+@pytest.mark.parametrize("recipe", list(TORCHAO_PUBLISHED))
+def test_torchao_llama3_8b_step_speedup(llama3_8b, recipe):
+    report = llama3_8b[recipe]
+    assert {op.precision for op in report.find(site="lm_head")} == {"high"}, "lm_head kept high, as torchtitan does"
+    assert {op.op for op in report.ops if "self_attn" in op.site} == {"mm", "sdpa"}
+    step = predict_step(report.ops, sum(report.non_gemm_bytes.values()), gpu("h100"))
+    published = TORCHAO_PUBLISHED[recipe]
+    assert abs(step.speedup - published) <= TORCHAO_TOLERANCE, (
+        f"{recipe}: predicted step {step.speedup:.3f}x vs published {published}x (tolerance +-{TORCHAO_TOLERANCE}); "
+        f"GEMMs {step.gemm_speedup:.3f}x, other {step.other_us / step.bf16_us:.0%} of the BF16 step"
+    )
+
+
+def test_fp8fx_recipes_put_lm_head_in_fp8():
+    # Why the torchao comparison adds a rule for lm_head.
+    settings = fp8fx.Policy.from_recipe("tensorwise").resolve(("lm_head",), "mm").settings
+    assert {settings.gemms.output, settings.gemms.grad_input, settings.gemms.grad_weight} == {"fp8"}
+
+
+# --- 5. Unit behaviour ------------------------------------------------------------------------------
+
+
+def test_a_gemm_kept_high_costs_the_same():
+    p = predict(record("output", 4096, 4096, 4096, ("input", "weight"), precision="high"), gpu("h100"))
+    assert p.speedup == 1.0 and p.passes_us == 0.0, f"speedup {p.speedup} (tolerance: exactly 1.0)"
+
+
+def test_small_gemms_are_slower_in_fp8_big_ones_near_the_raw_ratio():
+    h100 = gpu("h100")
+    small = predict(record("output", 256, 256, 256, ("input", "weight")), h100)
+    assert small.speedup < 1, f"256^3 should be slower in FP8, got {small.speedup:.2f}x (no tolerance)"
+    big = predict(record("grad_input", 8192, 8192, 8192, ("grad_output", "weight")), h100)
+    raw = big.bf16_us / (big.fp8_us - big.passes_us)
+    peak_ratio = h100.fp8_tflops / h100.bf16_tflops
+    assert abs(raw / peak_ratio - 1) <= 0.05, f"8192^3 GEMM alone {raw:.2f}x vs peak ratio {peak_ratio:.2f}x (tolerance +-5%)"
+    # Its passes (grad_output's cast, the weight's transposed copy) cost about a fifth of the FP8 time.
+    message = f"8192^3 with its passes {big.speedup:.2f}x: at least 1.5x (no tolerance), below the GEMM alone ({raw:.2f}x)"
+    assert 1.5 <= big.speedup < raw, message
+
+
+def test_delayed_scaling_is_cheaper_than_dynamic():
+    h100 = gpu("h100")
+    for role, operands in (("output", ("input", "weight")), ("grad_input", ("grad_output", "weight"))):
+        dynamic = predict(record(role, 4096, 4096, 4096, operands), h100)
+        delayed = predict(record(role, 4096, 4096, 4096, operands, scaling="delayed"), h100)
+        assert delayed.fp8_us < dynamic.fp8_us, f"{role}: delayed scaling (amax inside the cast) should be faster (no tolerance)"
+
+
+def test_rowwise_casts_every_operand_per_gemm():
+    h100 = gpu("h100")
+    for tensorwise, rowwise in zip(linear(8192, 4096, 4096), linear(8192, 4096, 4096, granularity="rowwise")):
+        assert predict(rowwise, h100).passes_us >= predict(tensorwise, h100).passes_us, rowwise.role
+    # grad_weight under tensorwise only transposes FP8 copies made for other GEMMs: cheaper than two casts.
+    gw = linear(8192, 4096, 4096)[2]
+    assert predict(gw, h100).passes_us < predict(replace(gw, granularity="rowwise"), h100).passes_us
+
+
+def test_fused_attention_stays_bf16():
+    p = predict(record("output", 2048, 2048, 128, ("input", "weight"), op="sdpa", precision="high", batch=32), gpu("h100"))
+    assert p.fp8_us == p.bf16_us > 0 and p.passes_us == 0
+
+
+def test_dynamic_dimensions_give_no_prediction():
+    op = replace(record("output", 64, 64, 64, ("input", "weight")), m="s0", flops=0)
+    assert predict(op, gpu("h100")) is None
+    step = predict_step([op, record("output", 64, 64, 64, ("input", "weight"))], 0, gpu("h100"))
+    assert step.gemm_bf16_us > 0 and step.other_us == 0
+
+
+def test_an_empty_step_gains_nothing():
+    step = predict_step([], 0, gpu("h100"))
+    assert step.speedup == step.gemm_speedup == 1.0
+
+
+def test_step_adds_memory_bound_other_time():
+    h100 = gpu("h100")
+    ops = linear(4096, 4096, 4096)
+    bare, with_other = predict_step(ops, 0, h100), predict_step(ops, 10**9, h100)
+    assert with_other.other_us == pytest.approx(1e9 / (h100.hbm_tbps * 1e6 * h100.memory_efficiency))
+    assert with_other.bf16_us == pytest.approx(bare.bf16_us + with_other.other_us)
+    assert 1 < with_other.speedup < with_other.gemm_speedup == bare.gemm_speedup
+
+
+def test_gpu_by_name_or_spec():
+    assert gpu(" H200 ") is TARGETS["h200"]
+    assert gpu("fp8=1979,bf16=989,bw=3.35,sms=132,name=mygpu") == GpuSpec("mygpu", 1979, 989, 3.35, 132)
+    assert gpu("bf16=100,fp8=200,sms=10,bw=1").name == "custom"
+
+
+@pytest.mark.parametrize(
+    "spec,problem",
+    [
+        ("bogus", "unknown GPU target 'bogus'"),
+        ("fp8=abc", "fp8='abc' is not a positive number"),
+        ("fp8=1979,bf16=989,bw=3.35", "missing sms"),
+        ("fp8=1979,bf16=989,bw=3.35,sms=13.2", "sms='13.2' is not a positive integer"),
+        ("fp8=1979,bf16=989,bw=-1,sms=132", "bw='-1' is not a positive number"),
+        ("fp8=1979,bf16=989,bw=3.35,sms=132,clock=2", "bad part 'clock=2'"),
+        ("fp8=1979,fp8=989,bw=3.35,sms=132", "bad part 'fp8=989'"),
+    ],
+)
+def test_bad_gpu_names_the_problem_and_the_targets(spec, problem):
+    with pytest.raises(ValueError) as error:
+        gpu(spec)
+    message = str(error.value)
+    assert problem in message and all(name in message for name in TARGETS), message
