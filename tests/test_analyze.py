@@ -216,3 +216,31 @@ def test_bad_calibration_data_is_one_clear_error():
     assert result.exit_code == 1
     assert "calibration_data() must give a tensor or a tuple of tensors, got str" in result.output
     assert "Traceback" not in result.output
+
+
+def test_target_marks_slower_gemms_and_suggests_glob_rules(tmp_path):
+    out = tmp_path / "suggested.yaml"
+    result = run("analyze", ASSETS / "transformer.py", "--train", "--target", "h100", "--suggest-policy", out, "--format", "json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    s = data["summary"]
+    fp8 = [op for op in data["ops"] if op["precision"] == "fp8"]
+    slower = [op for op in fp8 if op["predicted"]["speedup"] < 1]
+    assert s["target"] == "h100-sxm" and s["slower_in_fp8"] == len(slower) > 0 and s["predicted_step_speedup"] < 1
+    assert all(op["predicted"]["bf16_us"] > 0 for op in data["ops"])
+    policy = fp8fx.load_policy(out)
+    assert any("*" in rule.match for rule in policy.rules)  # one rule for a site repeated in both blocks
+    assert "predicted" in out.read_text() and "x on h100-sxm" in out.read_text()
+    again = json.loads(run("analyze", ASSETS / "transformer.py", "--train", "--policy", out, "--format", "json").stdout)
+    kept_high = {(op["site"], op["role"]) for op in slower}
+    for op in again["ops"]:
+        before = next(o for o in data["ops"] if (o["site"], o["role"]) == (op["site"], op["role"]))
+        assert op["precision"] == ("high" if (op["site"], op["role"]) in kept_high else before["precision"])
+
+
+def test_table_marks_slower_gemms(tmp_path):
+    out = tmp_path / "report.txt"
+    result = run("analyze", ASSETS / "mlp.py", "--target", "h100", "-o", out)
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    assert "fp8/bf16 x" in text and "!" in text and "predicted on h100-sxm" in text
