@@ -1,6 +1,6 @@
 """Analyse Llama-shaped models on the meta device: time and peak memory of `fp8fx.analyze`.
 
-    python bench/analyze_large.py [--model 70b|7b|8b] [--train] [--no-fold]
+    python bench/analyze_large.py [--model 70b|7b|8b] [--train] [--no-fold] [--target h100]
 
 Llama-3-70B: 80 layers, hidden 8192, MLP 28672, 64 heads / 8 KV heads, vocab 128256, sequence
 2048. Nothing is allocated for the weights; repeated layers are traced once (--no-fold traces all).
@@ -39,17 +39,21 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--train", action="store_true")
     ap.add_argument("--no-fold", action="store_true")
+    ap.add_argument("--target", default="h100", help="GPU the cost model predicts for (fp8fx.costmodel)")
     args = ap.parse_args()
     start = time.perf_counter()
     model = build(args.model)
     ids = torch.zeros(1, args.seq, dtype=torch.long, device="meta")
-    report = fp8fx.analyze(model, (ids,), train=args.train, fold_repeated=not args.no_fold)
+    report = fp8fx.analyze(model, (ids,), train=args.train, fold_repeated=not args.no_fold).with_predictions(args.target)
     elapsed = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     s = report.summary()
     print(f"Llama-{args.model} ({'train' if args.train else 'inference'}, seq {args.seq}): {s['gemms']} GEMMs, {s['fp8_gemms']} in FP8, "
           f"FP8 FLOP share {100 * s['fp8_flop_share_forward']:.1f}% forward")
     print(f"analysis took {elapsed:.1f} s, peak memory {peak:.0f} MiB, folded: {s['folded_blocks'] or 'nothing'}")
+    print(f"predicted on {s['target']}: step {s['predicted_step_speedup']:.2f}x, GEMMs {s['predicted_gemm_speedup']:.2f}x, {s['slower_in_fp8']} FP8 GEMMs slower than BF16")
+    if s["saved_for_backward_bytes"] is not None:
+        print(f"saved for backward: {s['saved_for_backward_bytes'] / 2**30:.1f} GiB, {s['fp8_saved_activation_bytes'] / 2**30:.1f} GiB less than all-high")
 
 
 if __name__ == "__main__":

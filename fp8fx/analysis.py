@@ -8,9 +8,9 @@ The model file convention (what `fp8fx analyze MODEL.py` looks for):
     def calibration_data() -> Iterable       # optional, for --numerics: batches like example_inputs()
 
 With `build_model()`, the model is built on the meta device and analysed on fake CPU tensors: no
-weights are allocated and the same passes that compile the model decide every GEMM from shapes alone. For numerics it is built
-with real (initialised) weights, and measured on `calibration_data()` or, without it, on batches
-from `example_inputs()`.
+weights are allocated and the same passes that compile the model decide every GEMM from shapes
+alone. For numerics it is built with real (initialised) weights, and measured on
+`calibration_data()` or, without it, on batches from `example_inputs()`.
 """
 
 from __future__ import annotations
@@ -59,19 +59,19 @@ class ModelFile:
 
     def calibration(self, batches: int) -> list[tuple]:
         """`batches` input tuples from calibration_data() (or example_inputs() called again)."""
-        source = self.calibration_data() if self.calibration_data else (self.make_inputs() for _ in range(batches))
+        what = "calibration_data()" if self.calibration_data else "example_inputs()"
         found = []
         try:
-            for batch in source:
-                found.append(_as_inputs(batch, self.path, "calibration_data()" if self.calibration_data else "example_inputs()"))
+            for batch in self.calibration_data() if self.calibration_data else (self.make_inputs() for _ in range(batches)):
+                found.append(_as_inputs(batch, self.path, what))
                 if len(found) == batches:
                     break
         except ModelFileError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise ModelFileError(f"{self.path}: calibration_data() raised {type(e).__name__}: {e}{_where(e, self.path)}") from e
+            raise ModelFileError(f"{self.path}: {what} raised {type(e).__name__}: {e}{_where(e, self.path)}") from e
         if not found:
-            raise ModelFileError(f"{self.path}: calibration_data() gave no batch")
+            raise ModelFileError(f"{self.path}: {what} gave no batch")
         return found
 
 

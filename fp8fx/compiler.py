@@ -21,6 +21,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import fp8fx.ops  # noqa: F401  (registers the fp8fx::* operators)
+from fp8fx.numerics import NumericsCollector
 from fp8fx.passes import REWRITE_PASSES, PassContext, run_passes
 from fp8fx.passes.graph_utils import decompose_nodes
 from fp8fx.passes.pipeline import PLANNING_PASSES
@@ -90,8 +91,8 @@ class Fp8fxBackend:
         # ("forward" | "backward" | "inference", GraphModule).
         self.keep_graphs = keep_graphs
         self.kept_graphs: list[tuple[str, fx.GraphModule]] = []
-        # Set by fp8fx.analyze with numerics: a fp8fx.numerics.NumericsCollector the probes register with.
-        self.numerics = None
+        # Set by fp8fx.analyze with numerics: the collector its probes register with.
+        self.numerics: NumericsCollector | None = None
 
     def __repr__(self) -> str:
         return f"Fp8fxBackend(inner={self.inner!r}, policy={self.policy.source or 'built-in'}, graphs={len(self.graphs)})"
@@ -133,7 +134,7 @@ class Fp8fxBackend:
 
         def plan(graph_module, *_args, **_kwargs):
             # Probes change which casts are shared, so a numerics run plans with (throwaway) probes.
-            ctx = PassContext(self.policy, numerics=type(self.numerics)() if self.numerics is not None else None)
+            ctx = PassContext(self.policy, numerics=NumericsCollector() if self.numerics is not None else None)
             run_passes(graph_module, ctx, PLANNING_PASSES)
             raise _Planned(ctx.delayed_states)
 

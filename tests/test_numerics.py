@@ -120,3 +120,11 @@ def test_suggested_policy_keeps_low_sqnr_gemms_high_and_reproduces_decisions():
         assert after.precision == expected, (after.site, after.role, after.reason)
         if after.precision == "fp8":
             assert after.formats == before.formats  # the copied rule keeps the mlp's e4m3
+
+
+def test_progress_reports_every_stage_to_completion():
+    calls = []
+    x = torch.randn(8, 32)
+    fp8fx.analyze(nn.Linear(32, 32), (x,), train=True, calibration=[(x,)] * 3, progress=lambda *a: calls.append(a))
+    assert [c for c in calls if c[1] == c[2]] == [("analysis", 1, 1), ("baseline", 1, 1), ("numerics", 3, 3)]
+    assert ("numerics", 0, 3) in calls and ("numerics", 2, 3) in calls

@@ -181,7 +181,7 @@ def _progress():
 
         def update(stage: str, done: int, total: int) -> None:
             if stage not in tasks:
-                label = {"analysis": "tracing and deciding", "numerics": "measuring numerics"}.get(stage, stage)
+                label = {"analysis": "tracing and deciding", "baseline": "all-high baseline", "numerics": "measuring numerics"}.get(stage, stage)
                 tasks[stage] = bar.add_task(label, total=total)
             bar.update(tasks[stage], completed=done)
 
