@@ -53,7 +53,8 @@ def main() -> None:
     print(f"analysis took {elapsed:.1f} s, peak memory {peak:.0f} MiB, folded: {s['folded_blocks'] or 'nothing'}")
     print(f"predicted on {s['target']}: step {s['predicted_step_speedup']:.2f}x, GEMMs {s['predicted_gemm_speedup']:.2f}x, {s['slower_in_fp8']} FP8 GEMMs slower than BF16")
     if s["saved_for_backward_bytes"] is not None:
-        print(f"saved for backward: {s['saved_for_backward_bytes'] / 2**30:.1f} GiB, {s['fp8_saved_activation_bytes'] / 2**30:.1f} GiB less than all-high")
+        high = s["saved_for_backward_bytes"] + s["fp8_saved_activation_bytes"]
+        print(f"saved for backward: {s['saved_for_backward_bytes'] / 2**30:.1f} GiB ({high / 2**30:.1f} GiB with every GEMM high)")
 
 
 if __name__ == "__main__":
