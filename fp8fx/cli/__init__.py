@@ -189,6 +189,48 @@ def _progress():
 
 
 @app.command()
+def export(
+    model_file: Path = typer.Argument(..., help="Python file defining build_model() (or model) and example_inputs(); optional calibration_data()."),
+    onnx_path: Path = typer.Option(..., "--onnx", help="Where to write the ONNX model (nothing is written if a check fails)."),
+    policy: Path | None = typer.Option(None, "--policy", help="Precision-policy YAML file."),
+    recipe: str | None = typer.Option(None, "--recipe", help="A named recipe instead of a policy file (see `fp8fx recipes`)."),
+    calibrate: int = typer.Option(1, "--calibrate", min=1, help="Batches whose activation amaxes set the static input scales: calibration_data(), or else example_inputs()."),
+    opset: int = typer.Option(21, "--opset", help="ONNX opset: 19 or newer for FP8 QDQ, 21 or newer for blockwise weight scales."),
+    dynamic: str = typer.Option("", "--dynamic", help="Input dimensions kept dynamic, comma-separated: batch (dim 0), seq (dim 1)."),
+    no_verify: bool = typer.Option(False, "--no-verify", help="Skip onnx's checker, shape inference and the onnxruntime comparison."),
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks."),
+) -> None:
+    """Export the inference graph as standard ONNX with FP8 QuantizeLinear/DequantizeLinear where the
+    policy says FP8, verified in onnxruntime before it is written."""
+    from fp8fx.analysis import ModelFileError, load_model_file
+    from fp8fx.export import ExportError, export_onnx
+    from fp8fx.policy import Policy, PolicyError, load_policy
+
+    if policy is not None and recipe is not None:
+        _fail("give --policy or --recipe, not both")
+    try:
+        chosen = load_policy(policy) if policy is not None else Policy.from_recipe(recipe) if recipe is not None else Policy()
+        loaded = load_model_file(model_file, real_weights=True)
+        calibration = loaded.calibration(calibrate)
+        dims = tuple(d.strip() for d in dynamic.split(",") if d.strip())
+        result = export_onnx(loaded.model, loaded.example_inputs, onnx_path, chosen, calibration, opset=opset, dynamic=dims, verify=not no_verify)
+    except (PolicyError, ModelFileError, ExportError) as e:
+        if debug:
+            raise
+        _fail(str(e))
+    fp8 = [s for s in result.sites if s.precision == "fp8"]
+    typer.echo(f"wrote {result.path} (opset {result.opset}): {len(fp8)}/{len(result.sites)} GEMM sites in FP8, "
+               f"{result.quantize_nodes} QuantizeLinear, {result.dequantize_nodes} DequantizeLinear, {result.fp8_weights} FP8 weights")  # fmt: skip
+    if result.verified:
+        typer.echo(f"onnxruntime: max |difference| to fp8fx's emulation {result.max_abs_diff_vs_emulation:.3g}; SQNR against the original model {result.sqnr_vs_original_db:.1f} dB")
+    else:
+        typer.echo("not verified (--no-verify)")
+    width = max(len(s.site) for s in result.sites)
+    for s in result.sites:
+        typer.echo(f"  {s.site.ljust(width)}  {s.precision:4s}  {', '.join(s.onnx_nodes) or '-'}")
+
+
+@app.command()
 def recipes() -> None:
     """List the named recipes and the settings each one sets."""
     from fp8fx.policy import RECIPES

@@ -1,0 +1,350 @@
+"""Export to standard ONNX FP8: QuantizeLinear / DequantizeLinear around the GEMMs the policy puts
+in FP8, checked in onnxruntime before the file is written.
+
+The same passes that compile a model (find_matmuls, assign_precision) run on the model's
+`torch.export` graph. For each FP8 GEMM:
+
+- the activation (left operand) gets a static per-tensor QuantizeLinear -> DequantizeLinear pair,
+  its scale from the amax measured on calibration batches (`fp8fx.analyze` numerics), or from the
+  model's delayed-scaling state when it has one for that operand;
+- the weight (right operand, a parameter) is stored as an FP8 initializer in the K x N layout the
+  GEMM reads, with its scales as the policy says: one (tensorwise), one per output channel
+  (rowwise, `axis`), or one per 128 x 128 block (blockwise: opset 21's `block_size` along K, the
+  block scale repeated over the block's columns), followed by DequantizeLinear.
+
+GEMMs kept high stay plain float ops; no custom-domain op is emitted. Before the file is written,
+onnx's full checker and strict shape inference run, onnxruntime executes it (with its QDQ ->
+integer-MatMul fusion off, which rejects FP8) on the example inputs, and its outputs must match
+fp8fx's CPU emulation of the same graph to float rounding; the SQNR against the original model is
+reported.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, fx, nn
+
+from fp8fx.analysis import analyze
+from fp8fx.formats import Fp8Format
+from fp8fx.ops import reference
+from fp8fx.passes.assign_precision import assign_precision
+from fp8fx.passes.find_matmuls import find_matmuls, matmul_operands
+from fp8fx.passes.graph_utils import PassContext, strip_layout
+from fp8fx.policy import Granularity, Policy
+from fp8fx.state import state_for, state_key
+
+BLOCKED_OPSET = 21  # DequantizeLinear's block_size (blockwise scales)
+MIN_OPSET = 19  # FLOAT8 types in QuantizeLinear / DequantizeLinear
+DYNAMIC_DIMS = {"batch": 0, "seq": 1}
+ONNX_DTYPES = {Fp8Format.E4M3: 17, Fp8Format.E5M2: 19}  # TensorProto.FLOAT8E4M3FN / FLOAT8E5M2
+
+
+class ExportError(Exception):
+    """The model cannot be exported as asked; nothing was written."""
+
+
+@dataclass
+class SiteExport:
+    site: str
+    precision: str
+    onnx_nodes: list[str] = field(default_factory=list)  # the ONNX nodes the site's GEMM became
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    opset: int
+    sites: list[SiteExport]
+    quantize_nodes: int
+    dequantize_nodes: int
+    fp8_weights: int  # FP8 initializers holding weights
+    verified: bool
+    max_abs_diff_vs_emulation: float | None  # onnxruntime vs fp8fx's CPU emulation
+    sqnr_vs_original_db: float | None  # onnxruntime vs the original (high-precision) model
+
+
+# ----------------------------------------------------------------------------- ops in the graph
+
+
+@torch.library.custom_op("fp8fx::export_qdq", mutates_args=())
+def export_qdq(x: Tensor, scale_inv: Tensor, fmt: str) -> Tensor:
+    """Static per-tensor quantize -> dequantize (ONNX: QuantizeLinear, DequantizeLinear)."""
+    f = Fp8Format(fmt)
+    return reference.cast(x, scale_inv.reciprocal(), f.dtype, []).to(x.dtype) * scale_inv.to(x.dtype)
+
+
+@export_qdq.register_fake
+def _(x: Tensor, scale_inv: Tensor, fmt: str) -> Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("fp8fx::export_dequantize", mutates_args=())
+def export_dequantize(w: Tensor, scale_inv: Tensor, axis: int, block_size: int) -> Tensor:
+    """FP8 weight times its scale_inv: per tensor, per `axis`, or in blocks of `block_size` along `axis`."""
+    w = w.to(torch.float32)
+    if scale_inv.dim() == 0:
+        return w * scale_inv
+    if block_size:
+        return w * scale_inv.repeat_interleave(block_size, dim=axis).narrow(axis, 0, w.shape[axis])
+    return w * scale_inv.reshape([-1 if d == axis else 1 for d in range(w.dim())])
+
+
+@export_dequantize.register_fake
+def _(w: Tensor, scale_inv: Tensor, axis: int, block_size: int) -> Tensor:
+    return torch.empty(w.shape, dtype=torch.float32, device=w.device)
+
+
+def _onnx_translations() -> dict:
+    import onnx
+    from onnxscript import opset21 as op
+
+    def zero_point(fmt: str):
+        return op.Constant(value=onnx.helper.make_tensor("zero_point", ONNX_DTYPES[Fp8Format(fmt)], [], [0.0]))
+
+    def qdq(x, scale_inv, fmt: str):
+        return op.DequantizeLinear(op.QuantizeLinear(x, scale_inv, zero_point(fmt)), scale_inv)
+
+    def dequantize(w, scale_inv, axis: int, block_size: int):
+        if block_size:
+            return op.DequantizeLinear(w, scale_inv, axis=axis, block_size=block_size)
+        return op.DequantizeLinear(w, scale_inv, axis=axis)
+
+    return {torch.ops.fp8fx.export_qdq.default: qdq, torch.ops.fp8fx.export_dequantize.default: dequantize}
+
+
+# ----------------------------------------------------------------------------- the rewrite
+
+
+def _weight_view(gm: fx.GraphModule, right: fx.Node, site: str) -> Tensor:
+    """The GEMM's right operand (K x N) computed from its parameter."""
+    root, chain = strip_layout(right)
+    if root.op != "get_attr":
+        raise ExportError(f"site {site}: the right operand of an FP8 GEMM must be a parameter for export (found {root.format_node()}); keep the site high with a policy rule")
+    value = gm
+    for name in root.target.split("."):  # a parameter, buffer or constant (tied weights have several names)
+        value = getattr(value, name)
+    for view in chain:
+        value = view.target(value, *view.args[1:], **view.kwargs)
+    return value.detach().to(torch.float32)
+
+
+def _quantized_weight(w: Tensor, decision, opset: int, site: str) -> tuple[Tensor, Tensor, int, int]:
+    """(FP8 K x N weight, scale_inv, axis, block_size) for DequantizeLinear."""
+    fmt, block = decision.formats[1], list(decision.blocks[1])
+    scale = reference.amax_to_scale(reference.amax(w, block), fmt.max, decision.margin, decision.power_of_two)
+    fp8 = reference.cast(w, scale, fmt.dtype, block).contiguous()
+    scale_inv = scale.reciprocal()
+    if decision.granularity is Granularity.TENSORWISE:
+        return fp8, scale_inv.reshape(()), 1, 0
+    if decision.granularity is Granularity.ROWWISE:  # one scale per output channel (column of K x N)
+        return fp8, scale_inv.reshape(-1).contiguous(), 1, 0
+    if opset < BLOCKED_OPSET:
+        raise ExportError(f"site {site}: blockwise weight scales need opset {BLOCKED_OPSET} or newer (DequantizeLinear block_size); got --opset {opset}")
+    # 128 x 128 blocks -> blocks of 128 along K, one scale per column (repeated over the block's columns)
+    per_column = scale_inv.repeat_interleave(block[1], dim=1)[:, : w.shape[1]]
+    return fp8, per_column.contiguous(), 0, block[0]
+
+
+def _activation_scale_inv(model: nn.Module, site: str, fmt: Fp8Format, decision, amax: float | None) -> Tensor:
+    owner = state_for(list(model.parameters())) if decision.delayed is not None else None
+    state = owner.get(state_key(site, "output", "input")) if owner is not None else None
+    if state is not None and int(state.steps) > 0:  # delayed scaling: the scale training ended with
+        return state.scale.detach().reciprocal().to(torch.float32).reshape(())
+    if amax is None:
+        raise ExportError(f"site {site}: no calibration amax for its input (did calibration run through it?)")
+    scale = reference.amax_to_scale(torch.tensor(amax), fmt.max, decision.margin, decision.power_of_two)
+    return scale.reciprocal().to(torch.float32).reshape(())
+
+
+def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, amaxes: dict[str, float], opset: int) -> tuple[list[SiteExport], dict[str, str]]:
+    ctx = PassContext(policy)
+    find_matmuls(gm, ctx)
+    assign_precision(gm, ctx)
+    sites, gemm_names = [], {}
+    for i, site in enumerate(ctx.sites):
+        gemm = site.gemms["output"]
+        decision = ctx.decisions[(site.name, "output")]
+        sites.append(SiteExport(site.name, decision.precision.value))
+        gemm_names[site.name] = gemm.node.name
+        if not decision.fp8:
+            continue
+        if site.op not in ("mm", "addmm"):
+            raise ExportError(f"site {site.name}: FP8 {site.op} cannot be exported (ONNX QDQ export takes mm/addmm with a weight); keep it high with a policy rule")
+        left, right, _ = matmul_operands(gemm.node)
+        w8, w_scale_inv, axis, block_size = _quantized_weight(_weight_view(gm, right, site.name), decision, opset, site.name)
+        x_scale_inv = _activation_scale_inv(model, site.name, decision.formats[0], decision, amaxes.get(site.name))
+        names = {}
+        for kind, value in (("weight", w8), ("weight_scale_inv", w_scale_inv), ("input_scale_inv", x_scale_inv)):
+            names[kind] = f"fp8fx_{i}_{kind}"
+            gm.register_buffer(names[kind], value)
+        with gm.graph.inserting_before(gemm.node):
+            x_scale = gm.graph.get_attr(names["input_scale_inv"])
+            q = gm.graph.call_function(torch.ops.fp8fx.export_qdq.default, (left, x_scale, decision.formats[0].value))
+            w = gm.graph.call_function(
+                torch.ops.fp8fx.export_dequantize.default, (gm.graph.get_attr(names["weight"]), gm.graph.get_attr(names["weight_scale_inv"]), axis, block_size)
+            )
+        gemm.node.replace_input_with(left, q)
+        gemm.node.replace_input_with(right, w)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return sites, gemm_names
+
+
+# ----------------------------------------------------------------------------- export + verify
+
+
+def _outputs(out) -> list[Tensor]:
+    if isinstance(out, Tensor):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    return [t for o in out for t in _outputs(o)] if isinstance(out, (list, tuple)) else []
+
+
+def _sqnr(ref: Tensor, approx: Tensor) -> float:
+    noise = (ref.double() - approx.double()).square().sum().item()
+    return math.inf if noise == 0 else 10 * math.log10(ref.double().square().sum().item() / noise)
+
+
+def _dynamic_shapes(example_inputs: tuple, dynamic: tuple[str, ...]):
+    if not dynamic:
+        return None
+    unknown = [d for d in dynamic if d not in DYNAMIC_DIMS]
+    if unknown:
+        raise ExportError(f"--dynamic: unknown dimension(s) {', '.join(unknown)}; expected {', '.join(DYNAMIC_DIMS)}")
+    return tuple({DYNAMIC_DIMS[d]: torch.export.Dim.AUTO for d in dynamic if DYNAMIC_DIMS[d] < t.dim()} for t in example_inputs)
+
+
+def export_onnx(
+    model: nn.Module,
+    example_inputs: tuple,
+    path: str | Path,
+    policy: Policy | None = None,
+    calibration: list[tuple] | None = None,
+    opset: int = BLOCKED_OPSET,
+    dynamic: tuple[str, ...] = (),
+    verify: bool = True,
+) -> ExportResult:
+    """Export `model`'s inference graph to `path` as ONNX with FP8 QDQ where `policy` says FP8.
+
+    `calibration`: batches whose activation amaxes set the static input scales (default: the
+    example inputs). `dynamic`: dimensions kept dynamic ("batch", "seq"). With `verify`,
+    onnxruntime must reproduce fp8fx's emulation or nothing is written (ExportError)."""
+    try:
+        import onnx
+        import onnxruntime  # noqa: F401
+        import onnxscript  # noqa: F401
+    except ImportError as e:
+        raise ExportError(f"ONNX export needs onnx, onnxruntime and onnxscript ({e.name} is missing): pip install 'fp8fx[onnx]'") from e
+    path = Path(path)
+    policy = policy or Policy()
+    if opset < MIN_OPSET:
+        raise ExportError(f"--opset {opset}: FP8 QuantizeLinear/DequantizeLinear need opset {MIN_OPSET} or newer")
+    model = model.eval()
+    try:
+        report = analyze(model, example_inputs, policy, calibration=calibration or [example_inputs], fold_repeated=False)
+    except Exception as e:  # noqa: BLE001 - one line naming the failing step
+        raise ExportError(f"analysing the model failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    amaxes = {op.site: op.numerics.operands[0].amax for op in report.fp8_ops if op.role == "output" and op.numerics and op.numerics.operands}
+    try:
+        with torch.no_grad():
+            program = torch.export.export(model, tuple(example_inputs), dynamic_shapes=_dynamic_shapes(example_inputs, dynamic))
+        # Core ATen (linear -> mm/addmm, as fp8fx's passes expect) but attention kept whole: its
+        # math decomposition does not keep the strides the captured graph assumes.
+        table = {op: fn for op, fn in torch.export.default_decompositions().items() if "scaled_dot_product" not in str(op)}
+        gm = program.run_decompositions(table).module()
+    except ExportError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise ExportError(f"torch.export could not capture the model: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    sites, gemm_names = _rewrite(gm, model, policy, amaxes, opset)
+    with torch.no_grad():
+        emulated = _outputs(gm(*example_inputs))
+        original = _outputs(model(*example_inputs))
+    try:
+        onnx_program = torch.onnx.export(
+            gm, tuple(example_inputs), dynamo=True, opset_version=opset, custom_translation_table=_onnx_translations(),
+            dynamic_shapes=_dynamic_shapes(example_inputs, dynamic), verbose=False, optimize=True,
+        )  # fmt: skip
+    except Exception as e:  # noqa: BLE001
+        raise ExportError(f"ONNX translation failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".onnx", dir=path.parent)
+    os.close(fd)
+    try:
+        onnx_program.save(tmp)
+        proto = onnx.load(tmp)
+        result = _check(proto, tmp, example_inputs, emulated, original, verify)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    for site in sites:
+        site.onnx_nodes = _onnx_nodes(proto, gemm_names[site.site])
+    nodes = [n.op_type for n in proto.graph.node]
+    return ExportResult(
+        path,
+        opset,
+        sites,
+        quantize_nodes=nodes.count("QuantizeLinear"),
+        dequantize_nodes=nodes.count("DequantizeLinear"),
+        fp8_weights=sum(init.data_type in ONNX_DTYPES.values() and len(init.dims) > 0 for init in proto.graph.initializer),
+        verified=verify,
+        max_abs_diff_vs_emulation=result[0],
+        sqnr_vs_original_db=result[1],
+    )
+
+
+def _check(proto, file: str, example_inputs: tuple, emulated: list[Tensor], original: list[Tensor], verify: bool) -> tuple[float | None, float | None]:
+    import onnx
+
+    custom = {n.domain for n in proto.graph.node if n.domain not in ("", "ai.onnx")}
+    if custom:
+        raise ExportError(f"the exported graph uses custom operator domains {sorted(custom)}")
+    if not verify:
+        return None, None
+    try:
+        onnx.checker.check_model(file, full_check=True)
+        onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
+    except Exception as e:  # noqa: BLE001
+        raise ExportError(f"the ONNX model failed onnx's checks: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_quant_qdq", "1")  # its QDQ fusion rejects FP8
+    session = ort.InferenceSession(file, options, providers=["CPUExecutionProvider"])
+    feeds = {i.name: t.numpy() for i, t in zip(session.get_inputs(), example_inputs)}
+    produced = [torch.from_numpy(o) for o in session.run(None, feeds)]
+    if len(produced) != len(emulated):
+        raise ExportError(f"onnxruntime returned {len(produced)} outputs, the model {len(emulated)}")
+    diff = 0.0
+    for got, want in zip(produced, emulated):
+        if got.shape != want.shape:
+            raise ExportError(f"onnxruntime output shape {tuple(got.shape)} differs from the model's {tuple(want.shape)}")
+        tolerance = 1e-4 * want.abs().max().item() + 1e-6  # float rounding: summation order differs
+        diff = max(diff, (got - want).abs().max().item())
+        if diff > tolerance:
+            raise ExportError(f"onnxruntime's output differs from fp8fx's emulation by {diff:.3g} (tolerance {tolerance:.3g}): the ONNX model does not compute what fp8fx does")
+    sqnr = min(_sqnr(o, p) for o, p in zip(original, produced))
+    return diff, sqnr
+
+
+def _onnx_nodes(proto, gemm_fx_name: str) -> list[str]:
+    """The ONNX nodes a GEMM became (the exporter records the FX node on each), with the
+    DequantizeLinear / QuantizeLinear nodes feeding it."""
+    producer = {out: node for node in proto.graph.node for out in node.output}
+    found = [n for n in proto.graph.node if any(p.key == "pkg.torch.onnx.fx_node" and p.value.startswith(f"%{gemm_fx_name} :") for p in n.metadata_props)]
+    queue = list(found)
+    while queue:
+        for name in queue.pop().input:
+            node = producer.get(name)
+            if node is not None and node.op_type in ("DequantizeLinear", "QuantizeLinear") and node not in found:
+                found.append(node)
+                queue.append(node)
+    return [n.name for n in found]

@@ -1,0 +1,170 @@
+"""ONNX FP8 export (fp8fx.export): real models, onnxruntime, node and initializer counts, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+import fp8fx
+from fp8fx.cli import app
+from fp8fx.demo import TinyTransformer
+from fp8fx.export import ExportError, export_onnx
+from helpers import tiny_gpt2, tiny_llama
+
+ASSETS = Path(__file__).parent / "assets"
+E4M3 = onnx.TensorProto.FLOAT8E4M3FN
+
+
+def transformer():
+    torch.manual_seed(0)
+    return TinyTransformer(dim=64, heads=4, layers=2, max_seq=32), (torch.randint(0, 256, (2, 32)),)
+
+
+def gpt2():
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    model.config.use_cache = False  # a KV cache in the outputs is not an ONNX output
+    return model, (torch.randint(0, model.config.vocab_size, (2, 32)),)
+
+
+def llama():
+    torch.manual_seed(0)
+    model = tiny_llama()
+    model.config.use_cache = False
+    return model, (torch.randint(0, model.config.vocab_size, (2, 32)),)
+
+
+def fp8_weight_initializers(proto) -> int:
+    return sum(init.data_type == E4M3 and len(init.dims) == 2 for init in proto.graph.initializer)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("make", [transformer, gpt2, llama], ids=["transformer", "gpt2", "llama"])
+def test_export_runs_in_onnxruntime_and_matches_the_emulation(tmp_path, make, recipe):
+    model, inputs = make()
+    policy = fp8fx.Policy.from_recipe(recipe, format="e4m3")
+    result = export_onnx(model, inputs, tmp_path / "m.onnx", policy)
+    proto = onnx.load(tmp_path / "m.onnx")
+    fp8_sites = [s for s in result.sites if s.precision == "fp8"]
+    assert fp8_sites and result.verified
+    assert result.max_abs_diff_vs_emulation <= 1e-3  # float rounding only (checked against a bound inside too)
+    assert result.sqnr_vs_original_db > 15
+    nodes = [n.op_type for n in proto.graph.node]
+    # One Q/DQ pair per FP8 activation - Llama's q/k/v and gate/up projections read one tensor with
+    # one scale, and ONNX's optimizer shares their pair - plus one DQ per FP8 weight.
+    shared = 2 * (2 + 1) if make is llama else 0  # per layer: q, k, v share one pair; gate, up another
+    assert nodes.count("QuantizeLinear") == len(fp8_sites) - shared
+    assert nodes.count("DequantizeLinear") == nodes.count("QuantizeLinear") + len(fp8_sites)
+    assert fp8_weight_initializers(proto) == result.fp8_weights == len(fp8_sites)
+    assert not {n.domain for n in proto.graph.node} - {"", "ai.onnx"}  # no custom ops
+    for site in fp8_sites:
+        kinds = [next(n.op_type for n in proto.graph.node if n.name == name) for name in site.onnx_nodes]
+        assert sorted(k for k in kinds if "Linear" in k) == ["DequantizeLinear", "DequantizeLinear", "QuantizeLinear"], site
+    if recipe == "rowwise":  # per-output-channel weight scales
+        dq_axes = [a.i for n in proto.graph.node if n.op_type == "DequantizeLinear" for a in n.attribute if a.name == "axis"]
+        assert dq_axes.count(1) >= len(fp8_sites)
+
+
+def test_sites_kept_high_get_no_qdq(tmp_path):
+    model, inputs = transformer()
+    everything = export_onnx(model, inputs, tmp_path / "a.onnx")
+    policy = fp8fx.Policy(rules=(fp8fx.Rule(match="*.up", precision="high"), fp8fx.Rule(match="lm_head", precision="high")))
+    fewer = export_onnx(model, inputs, tmp_path / "b.onnx", policy)
+    assert everything.quantize_nodes - fewer.quantize_nodes == 3  # blocks.0.up, blocks.1.up, lm_head
+    proto = onnx.load(tmp_path / "b.onnx")
+    for site in fewer.sites:
+        if site.site.endswith(".up") or site.site == "lm_head":
+            assert site.precision == "high"
+            assert not any("Linear" in n.op_type for n in proto.graph.node if n.name in site.onnx_nodes)
+
+
+def test_blockwise_needs_opset_21_and_writes_nothing_before(tmp_path):
+    model, inputs = transformer()
+    out = tmp_path / "m.onnx"
+    with pytest.raises(ExportError, match="blockwise weight scales need opset 21"):
+        export_onnx(model, inputs, out, fp8fx.Policy.from_recipe("blockwise"), opset=20)
+    assert not out.exists()
+    result = export_onnx(model, inputs, out, fp8fx.Policy.from_recipe("blockwise"))
+    proto = onnx.load(out)
+    blocks = [a.i for n in proto.graph.node if n.op_type == "DequantizeLinear" for a in n.attribute if a.name == "block_size"]
+    assert [b for b in blocks if b] == [128] * result.fp8_weights  # activations: per tensor (0)
+
+
+def test_dynamic_batch_and_sequence(tmp_path):
+    model, inputs = transformer()
+    export_onnx(model, inputs, tmp_path / "m.onnx", dynamic=("batch", "seq"))
+    proto = onnx.load(tmp_path / "m.onnx")
+    dims = proto.graph.input[0].type.tensor_type.shape.dim
+    assert all(d.dim_param for d in dims)
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_quant_qdq", "1")
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), options, providers=["CPUExecutionProvider"])
+    tokens = torch.randint(0, 256, (3, 16))
+    (logits,) = session.run(None, {session.get_inputs()[0].name: tokens.numpy()})
+    assert logits.shape == (3, 16, 256)
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: torch.export cannot capture it
+            return self.fc(x)
+        return x
+
+
+@pytest.mark.parametrize(
+    "model,inputs,policy,message",
+    [
+        (Branchy(), (torch.ones(4, 32),), None, "torch.export could not capture the model"),
+        (
+            TinyTransformer(dim=64, heads=4, layers=1, max_seq=32),
+            (torch.randint(0, 256, (2, 32)),),
+            fp8fx.Policy(rules=(fp8fx.Rule(match="*", op="bmm", precision="fp8"),)),
+            "FP8 bmm cannot be exported",
+        ),
+    ],
+    ids=["does-not-trace", "unsupported-op"],
+)
+def test_bad_input_is_one_clear_error_and_no_file(tmp_path, model, inputs, policy, message):
+    out = tmp_path / "m.onnx"
+    with pytest.raises(ExportError, match=message):
+        export_onnx(model, inputs, out, policy)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_mismatch_with_the_emulation_is_an_error(tmp_path, monkeypatch):
+    import fp8fx.export as export_module
+
+    real = export_module._onnx_translations
+
+    def without_quantization():  # an exporter bug: the activation QDQ becomes an identity
+        table = real()
+        table[torch.ops.fp8fx.export_qdq.default] = lambda x, scale_inv, fmt: x
+        return table
+
+    monkeypatch.setattr(export_module, "_onnx_translations", without_quantization)
+    model, inputs = transformer()
+    with pytest.raises(ExportError, match="differs from fp8fx's emulation"):
+        export_onnx(model, inputs, tmp_path / "m.onnx")
+    assert list(tmp_path.iterdir()) == []
+    export_onnx(model, inputs, tmp_path / "m.onnx", verify=False)  # --no-verify writes it anyway
+    assert (tmp_path / "m.onnx").exists()
+
+
+def test_cli_export(tmp_path):
+    out = tmp_path / "m.onnx"
+    result = CliRunner().invoke(app, ["export", str(ASSETS / "transformer.py"), "--onnx", str(out), "--recipe", "rowwise", "--calibrate", "2"])
+    assert result.exit_code == 0, result.output
+    assert out.exists() and "9 QuantizeLinear, 18 DequantizeLinear, 9 FP8 weights" in result.stdout and "SQNR against the original model" in result.stdout
+    bad = CliRunner().invoke(app, ["export", str(ASSETS / "transformer.py"), "--onnx", str(tmp_path / "x.onnx"), "--opset", "17"])
+    assert bad.exit_code == 1 and "need opset 19 or newer" in bad.output and not (tmp_path / "x.onnx").exists()
