@@ -7,6 +7,7 @@
 
 from fp8fx.analysis import CoverageError, ModelFileError, analyze, assert_coverage, load_model_file
 from fp8fx.compiler import Fp8fxBackend, backend, report
+from fp8fx.export import ExportError, ExportResult, export_onnx
 from fp8fx.formats import Fp8Format, FormatRecipe
 from fp8fx.policy import GemmPrecisions, Policy, PolicyError, Precision, Rule, Settings, load_policy, policy_from_yaml
 from fp8fx.reporting import OpRecord, Report
@@ -16,6 +17,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CoverageError",
+    "ExportError",
+    "ExportResult",
+    "export_onnx",
     "ModelFileError",
     "analyze",
     "assert_coverage",

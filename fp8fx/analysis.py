@@ -75,6 +75,14 @@ class ModelFile:
         return found
 
 
+def error_summary(e: BaseException) -> str:
+    """The innermost cause of an error, in one line (wrappers such as Dynamo's name only themselves)."""
+    while (inner := getattr(e, "inner_exception", None) or e.__cause__) is not None:
+        e = inner
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
 def _where(exc: BaseException, path: Path) -> str:
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == path.resolve()]
     return f" (line {frames[-1].lineno})" if frames else ""

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, fx, nn
 
-from fp8fx.analysis import analyze
+from fp8fx.analysis import analyze, error_summary
 from fp8fx.formats import Fp8Format
 from fp8fx.ops import reference
 from fp8fx.passes.assign_precision import assign_precision
@@ -250,7 +250,7 @@ def export_onnx(
     try:
         report = analyze(model, example_inputs, policy, calibration=calibration or [example_inputs], fold_repeated=False)
     except Exception as e:  # noqa: BLE001 - one line naming the failing step
-        raise ExportError(f"analysing the model failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        raise ExportError(f"analysing the model failed: {error_summary(e)}") from e
     amaxes = {op.site: op.numerics.operands[0].amax for op in report.fp8_ops if op.role == "output" and op.numerics and op.numerics.operands}
     try:
         with torch.no_grad():
@@ -262,7 +262,7 @@ def export_onnx(
     except ExportError:
         raise
     except Exception as e:  # noqa: BLE001
-        raise ExportError(f"torch.export could not capture the model: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        raise ExportError(f"torch.export could not capture the model: {error_summary(e)}") from e
     sites, gemm_names = _rewrite(gm, model, policy, amaxes, opset)
     with torch.no_grad():
         emulated = _outputs(gm(*example_inputs))
@@ -273,7 +273,7 @@ def export_onnx(
             dynamic_shapes=_dynamic_shapes(example_inputs, dynamic), verbose=False, optimize=True,
         )  # fmt: skip
     except Exception as e:  # noqa: BLE001
-        raise ExportError(f"ONNX translation failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        raise ExportError(f"ONNX translation failed: {error_summary(e)}") from e
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".onnx", dir=path.parent)
     os.close(fd)
@@ -313,7 +313,7 @@ def _check(proto, file: str, example_inputs: tuple, emulated: list[Tensor], orig
         onnx.checker.check_model(file, full_check=True)
         onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
     except Exception as e:  # noqa: BLE001
-        raise ExportError(f"the ONNX model failed onnx's checks: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+        raise ExportError(f"the ONNX model failed onnx's checks: {error_summary(e)}") from e
     import onnxruntime as ort
 
     options = ort.SessionOptions()

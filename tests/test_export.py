@@ -168,3 +168,32 @@ def test_cli_export(tmp_path):
     assert out.exists() and "9 QuantizeLinear, 18 DequantizeLinear, 9 FP8 weights" in result.stdout and "SQNR against the original model" in result.stdout
     bad = CliRunner().invoke(app, ["export", str(ASSETS / "transformer.py"), "--onnx", str(tmp_path / "x.onnx"), "--opset", "17"])
     assert bad.exit_code == 1 and "need opset 19 or newer" in bad.output and not (tmp_path / "x.onnx").exists()
+
+
+def test_two_e5m2_operands_are_refused_clearly(tmp_path):
+    # format e5m2 gives a GEMM two E5M2 operands, which no FP8 tensor-core instruction takes
+    model, inputs = transformer()
+    policy = fp8fx.Policy(rules=(fp8fx.Rule(match="lm_head", format="e5m2"),))
+    with pytest.raises(ExportError, match="two E5M2 operands"):
+        export_onnx(model, inputs, tmp_path / "m.onnx", policy)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_delayed_scaling_exports_the_scale_training_ended_with(tmp_path):
+    model, inputs = transformer()
+    policy = fp8fx.Policy.from_recipe("delayed")
+    fp8fx.prepare(model)
+    compiled = torch.compile(model, backend=fp8fx.backend(policy=policy, inner="eager"))
+    for _ in range(3):
+        compiled(*inputs).float().logsumexp(-1).mean().backward()
+    torch._dynamo.reset()
+    from fp8fx.state import state_for, state_key
+
+    scale = state_for(list(model.parameters())).get(state_key("lm_head", "output", "input")).scale.item()
+    # calibration on other data (all token 0) would give another scale: the state must win
+    result = export_onnx(model, inputs, tmp_path / "m.onnx", policy, calibration=[(inputs[0] * 0,)])
+    proto = onnx.load(tmp_path / "m.onnx")
+    (site,) = [s for s in result.sites if s.site == "lm_head"]
+    lm_head = next(n for n in proto.graph.node if n.op_type == "QuantizeLinear" and n.name in site.onnx_nodes)
+    scale_inv = next(onnx.numpy_helper.to_array(i) for i in proto.graph.initializer if i.name == lm_head.input[1])
+    assert float(scale_inv) == pytest.approx(1 / scale, rel=1e-6)

@@ -128,7 +128,9 @@ def analyze(
     except Exception as e:  # noqa: BLE001 - an error inside the user's model: one line unless --debug
         if debug:
             raise
-        _fail(f"{model_file}: running the model raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (--debug for the traceback)")
+        from fp8fx.analysis import error_summary
+
+        _fail(f"{model_file}: running the model raised {error_summary(e)} (--debug for the traceback)")
     if suggest is not None:
         from fp8fx.suggest import suggest_policy
 
