@@ -5,7 +5,7 @@ The same passes that compile a model (find_matmuls, assign_precision) run on the
 `torch.export` graph. For each FP8 GEMM:
 
 - the activation (left operand) gets a static per-tensor QuantizeLinear -> DequantizeLinear pair,
-  its scale from the amax measured on calibration batches (`fp8fx.analyze` numerics), or from the
+  its scale from the amax the exported graph produces on calibration batches, or from the
   model's delayed-scaling state when it has one for that operand;
 - the weight (right operand, a parameter) is stored as an FP8 initializer in the K x N layout the
   GEMM reads, with its scales as the policy says: one (tensorwise), one per output channel
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, fx, nn
 
-from fp8fx.analysis import analyze, error_summary
+from fp8fx.analysis import error_summary
 from fp8fx.formats import Fp8Format
 from fp8fx.ops import reference
 from fp8fx.passes.assign_precision import assign_precision
@@ -162,35 +162,55 @@ def _activation_scale_inv(model: nn.Module, site: str, fmt: Fp8Format, decision,
     return scale.reciprocal().to(torch.float32).reshape(())
 
 
-def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, amaxes: dict[str, float], opset: int) -> tuple[list[SiteExport], dict[str, str]]:
+class _AmaxRecorder(fx.Interpreter):
+    """Runs the graph and keeps the largest magnitude each watched node produced."""
+
+    def __init__(self, gm: fx.GraphModule, watched: set[fx.Node]):
+        super().__init__(gm)
+        self.watched = watched
+        self.amax: dict[fx.Node, float] = {}
+
+    def run_node(self, node: fx.Node):
+        out = super().run_node(node)
+        if node in self.watched:
+            self.amax[node] = max(self.amax.get(node, 0.0), out.detach().abs().max().item())
+        return out
+
+
+def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, calibration: list[tuple], opset: int) -> tuple[list[SiteExport], dict[str, str]]:
     ctx = PassContext(policy)
     find_matmuls(gm, ctx)
     assign_precision(gm, ctx)
-    sites, gemm_names = [], {}
-    for i, site in enumerate(ctx.sites):
+    sites, gemm_names, fp8 = [], {}, []
+    for site in ctx.sites:
         gemm = site.gemms["output"]
         decision = ctx.decisions[(site.name, "output")]
         sites.append(SiteExport(site.name, decision.precision.value))
         gemm_names[site.name] = gemm.node.name
-        if not decision.fp8:
-            continue
-        if site.op not in ("mm", "addmm"):
-            raise ExportError(f"site {site.name}: FP8 {site.op} cannot be exported (ONNX QDQ export takes mm/addmm with a weight); keep it high with a policy rule")
-        left, right, _ = matmul_operands(gemm.node)
-        w8, w_scale_inv, axis, block_size = _quantized_weight(_weight_view(gm, right, site.name), decision, opset, site.name)
-        x_scale_inv = _activation_scale_inv(model, site.name, decision.formats[0], decision, amaxes.get(site.name))
-        names = {}
+        if decision.fp8:
+            if site.op not in ("mm", "addmm"):
+                raise ExportError(f"site {site.name}: FP8 {site.op} cannot be exported (ONNX QDQ export takes mm/addmm with a weight); keep it high with a policy rule")
+            fp8.append((site.name, gemm.node, decision))
+    recorder = _AmaxRecorder(gm, {matmul_operands(node)[0] for _, node, _ in fp8})
+    with torch.no_grad():
+        for batch in calibration:  # the activations' static scales
+            recorder.run(*batch)
+    for i, (name, node, decision) in enumerate(fp8):
+        left, right, _ = matmul_operands(node)
+        w8, w_scale_inv, axis, block_size = _quantized_weight(_weight_view(gm, right, name), decision, opset, name)
+        x_scale_inv = _activation_scale_inv(model, name, decision.formats[0], decision, recorder.amax.get(left))
+        buffers = {}
         for kind, value in (("weight", w8), ("weight_scale_inv", w_scale_inv), ("input_scale_inv", x_scale_inv)):
-            names[kind] = f"fp8fx_{i}_{kind}"
-            gm.register_buffer(names[kind], value)
-        with gm.graph.inserting_before(gemm.node):
-            x_scale = gm.graph.get_attr(names["input_scale_inv"])
+            buffers[kind] = f"fp8fx_{i}_{kind}"
+            gm.register_buffer(buffers[kind], value)
+        with gm.graph.inserting_before(node):
+            x_scale = gm.graph.get_attr(buffers["input_scale_inv"])
             q = gm.graph.call_function(torch.ops.fp8fx.export_qdq.default, (left, x_scale, decision.formats[0].value))
             w = gm.graph.call_function(
-                torch.ops.fp8fx.export_dequantize.default, (gm.graph.get_attr(names["weight"]), gm.graph.get_attr(names["weight_scale_inv"]), axis, block_size)
+                torch.ops.fp8fx.export_dequantize.default, (gm.graph.get_attr(buffers["weight"]), gm.graph.get_attr(buffers["weight_scale_inv"]), axis, block_size)
             )
-        gemm.node.replace_input_with(left, q)
-        gemm.node.replace_input_with(right, w)
+        node.replace_input_with(left, q)
+        node.replace_input_with(right, w)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return sites, gemm_names
@@ -248,11 +268,6 @@ def export_onnx(
         raise ExportError(f"--opset {opset}: FP8 QuantizeLinear/DequantizeLinear need opset {MIN_OPSET} or newer")
     model = model.eval()
     try:
-        report = analyze(model, example_inputs, policy, calibration=calibration or [example_inputs], fold_repeated=False)
-    except Exception as e:  # noqa: BLE001 - one line naming the failing step
-        raise ExportError(f"analysing the model failed: {error_summary(e)}") from e
-    amaxes = {op.site: op.numerics.operands[0].amax for op in report.fp8_ops if op.role == "output" and op.numerics and op.numerics.operands}
-    try:
         with torch.no_grad():
             program = torch.export.export(model, tuple(example_inputs), dynamic_shapes=_dynamic_shapes(example_inputs, dynamic))
         # Core ATen (linear -> mm/addmm, as fp8fx's passes expect) but attention kept whole: its
@@ -263,7 +278,7 @@ def export_onnx(
         raise
     except Exception as e:  # noqa: BLE001
         raise ExportError(f"torch.export could not capture the model: {error_summary(e)}") from e
-    sites, gemm_names = _rewrite(gm, model, policy, amaxes, opset)
+    sites, gemm_names = _rewrite(gm, model, policy, list(calibration or [example_inputs]), opset)
     with torch.no_grad():
         emulated = _outputs(gm(*example_inputs))
         original = _outputs(model(*example_inputs))

@@ -172,18 +172,14 @@ class Report:
         self.target = None  # fp8fx.costmodel.GpuSpec the predictions are for
         self.step = None  # its fp8fx.costmodel.StepPrediction
 
-    def _with(self, ops: list[OpRecord]) -> Report:
-        new = Report(ops, self.folded, self.non_gemm_bytes, self.saved_bytes)
-        new.saved_bytes_high_precision, new.target, new.step = self.saved_bytes_high_precision, self.target, self.step
-        return new
-
     def with_predictions(self, target) -> Report:  # noqa: ANN001 - a GpuSpec or its name / spec string
         """This report with each GEMM's predicted BF16 and FP8 time on `target` (see
         fp8fx.costmodel) and the predicted whole step."""
         from fp8fx import costmodel
 
         spec = costmodel.gpu(target) if isinstance(target, str) else target
-        new = self._with([replace(op, predicted=costmodel.predict(op, spec)) for op in self.ops])
+        new = Report([replace(op, predicted=costmodel.predict(op, spec)) for op in self.ops], self.folded, self.non_gemm_bytes, self.saved_bytes)
+        new.saved_bytes_high_precision = self.saved_bytes_high_precision
         new.target, new.step = spec, costmodel.predict_step(self.ops, sum(self.non_gemm_bytes.values()), spec)
         return new
 
