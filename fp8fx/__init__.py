@@ -6,7 +6,7 @@
 """
 
 from fp8fx.analysis import CoverageError, ModelFileError, analyze, assert_coverage, load_model_file
-from fp8fx.compiler import Fp8fxBackend, backend, report
+from fp8fx.compiler import Fp8fxBackend, backend, report, stats
 from fp8fx.export import ExportError, ExportResult, export_onnx
 from fp8fx.formats import Fp8Format, FormatRecipe
 from fp8fx.policy import GemmPrecisions, Policy, PolicyError, Precision, Rule, Settings, load_policy, policy_from_yaml
@@ -40,4 +40,5 @@ __all__ = [
     "policy_from_yaml",
     "prepare",
     "report",
+    "stats",
 ]

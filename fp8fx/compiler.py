@@ -21,6 +21,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import fp8fx.ops  # noqa: F401  (registers the fp8fx::* operators)
+from fp8fx.monitor import Monitor
 from fp8fx.numerics import NumericsCollector
 from fp8fx.passes import REWRITE_PASSES, PassContext, run_passes
 from fp8fx.passes.graph_utils import decompose_nodes
@@ -71,6 +72,7 @@ class Fp8fxBackend:
         keep_graphs: bool = False,
         fuse_epilogues: bool = True,
         kernels: str = "auto",
+        monitor_every: int = 0,
     ):
         if inner not in INNER_COMPILERS:
             raise ValueError(f"fp8fx.backend: inner must be one of {', '.join(INNER_COMPILERS)}, got {inner!r}")
@@ -93,6 +95,8 @@ class Fp8fxBackend:
         self.kept_graphs: list[tuple[str, fx.GraphModule]] = []
         # Set by fp8fx.analyze with numerics: the collector its probes register with.
         self.numerics: NumericsCollector | None = None
+        # The runtime monitor (fp8fx.stats): every cast sampled every `monitor_every` calls.
+        self.monitor = Monitor(monitor_every) if monitor_every else None
 
     def __repr__(self) -> str:
         return f"Fp8fxBackend(inner={self.inner!r}, policy={self.policy.source or 'built-in'}, graphs={len(self.graphs)})"
@@ -154,7 +158,9 @@ class Fp8fxBackend:
         `state_keys` name the delayed-scaling states passed as the graph's last inputs."""
         kind = _graph_kind(gm)
         traffic = non_gemm_bytes(gm.graph)
-        ctx = PassContext(self.policy, fuse_epilogues=self.fuse_epilogues, kernels=self.kernels, numerics=self.numerics, graph_index=len(self.graphs))
+        ctx = PassContext(self.policy, fuse_epilogues=self.fuse_epilogues, kernels=self.kernels, numerics=self.numerics, graph_index=len(self.graphs),
+            monitor=id(self.monitor) if self.monitor is not None else None,
+        )  # fmt: skip
         if state_keys:
             inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and not str(n.target).startswith("tangents")]
             tail = inputs[len(inputs) - len(BUFFERS) * len(state_keys) :]
@@ -264,14 +270,18 @@ def backend(
     keep_graphs: bool = False,
     fuse_epilogues: bool = True,
     kernels: str = "auto",
+    monitor_every: int = 0,
 ) -> Fp8fxBackend:
     """A configured backend: `torch.compile(model, backend=fp8fx.backend(policy="p.yaml"))`.
 
     `fuse_epilogues` fuses each FP8 GEMM's elementwise neighbours into it. `kernels` picks what
     runs FP8 GEMMs on CUDA: "auto" / "triton" (the generated Triton kernels) or "scaled_mm"
     (torch._scaled_mm, then the epilogue in torch). CPU tensors run the exact reference, except
-    with "triton" under Triton's interpreter (TRITON_INTERPRET=1), for debugging the kernels."""
-    return Fp8fxBackend(policy=policy, inner=inner, keep_graphs=keep_graphs, fuse_epilogues=fuse_epilogues, kernels=kernels)
+    with "triton" under Triton's interpreter (TRITON_INTERPRET=1), for debugging the kernels.
+
+    `monitor_every=N` samples every FP8 cast's input every N calls (amax, scale, saturated,
+    underflowed and non-finite values; `fp8fx.stats(compiled)`); 0 leaves the monitor out."""
+    return Fp8fxBackend(policy=policy, inner=inner, keep_graphs=keep_graphs, fuse_epilogues=fuse_epilogues, kernels=kernels, monitor_every=monitor_every)
 
 
 def _find_backend(compiled: Any) -> Fp8fxBackend | None:
@@ -310,6 +320,14 @@ def report(compiled: Any) -> Report:
         param_ids = {id(p) for p in orig.parameters()}
         graphs = [g for g in graphs if g.belongs_to(param_ids)]
     return _report(graphs)
+
+
+def stats(compiled: Any) -> Monitor:
+    """The runtime monitor of a model compiled with `fp8fx.backend(monitor_every=N)`."""
+    found = compiled if isinstance(compiled, Fp8fxBackend) else _find_backend(compiled)
+    if found is None or found.monitor is None:
+        raise ValueError("fp8fx.stats: compile with backend=fp8fx.backend(monitor_every=N) to record FP8 cast statistics")
+    return found.monitor
 
 
 def _report(graphs: list[GraphRecord]) -> Report:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from fp8fx.monitor import saturation_threshold
 from fp8fx.ops import reference
 from fp8fx.scaling import expand_blocks
 
@@ -139,13 +140,6 @@ def _quantize(x: Tensor, fmt, block: tuple, decision, acc: _Accumulator, i: int)
     return reference.cast(x, scale, fmt.dtype, block), scale
 
 
-def _saturation_threshold(fmt) -> float:
-    """Scaled magnitudes above this lose more than rounding to the format's largest value would:
-    halfway to the next step the format would have (464 for E4M3, 61440 for E5M2)."""
-    top_binade = 2.0 ** math.floor(math.log2(fmt.max))
-    return fmt.max + top_binade * torch.finfo(fmt.dtype).eps / 2
-
-
 def _measure(acc: _Accumulator, decision, left: Tensor, right: Tensor, reference_product: Tensor, stats: bool) -> None:
     quantized = []
     for i, (x, fmt, block) in enumerate(zip((left, right), decision.formats, decision.blocks)):
@@ -157,7 +151,7 @@ def _measure(acc: _Accumulator, decision, left: Tensor, right: Tensor, reference
             acc.scale[i] = scale.min().item()
             acc.underflow[i] += int(((x32 != 0) & (fp8.float() == 0)).sum())
             scaled = x32 * expand_blocks(scale, tuple(block), x.shape)
-            acc.saturated[i] += int((scaled.abs() > _saturation_threshold(fmt)).sum())
+            acc.saturated[i] += int((scaled.abs() > saturation_threshold(fmt)).sum())
             acc.numel[i] += x.numel()
     (qa, sa), (qb, sb) = quantized
     product = reference.scaled_mm(qa, qb, sa.reciprocal(), sb.reciprocal(), None, torch.float64, *map(list, decision.blocks))

@@ -63,6 +63,8 @@ class PassContext:
     # index of the graph being rewritten (probes are reported per graph, site and role).
     numerics: Any = None
     graph_index: int = 0
+    # Runtime monitor (fp8fx.monitor): the id of the Monitor each cast's observe op reports to.
+    monitor: int | None = None
 
 
 def _is_dtype_cast(node: fx.Node) -> bool:

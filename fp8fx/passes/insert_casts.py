@@ -79,6 +79,8 @@ class _Inserter:
                 update_args = (*state, amax, fmt.max, spec.margin, spec.power_of_two, d.algo is AmaxComputeAlgo.MOST_RECENT, d.interval)
                 update = self.add(fp8fx_ops.delayed_scale_update.default, update_args, tag_from=tag_from)
                 new_state = [self.add(operator.getitem, (update, i), tag_from=tag_from) for i in range(len(state))]
+            if self.ctx.monitor is not None:  # the runtime monitor samples what this cast receives
+                scale = self.add(fp8fx_ops.observe.default, (x, scale, self.ctx.monitor, state_key, fmt.value, block), tag_from=tag_from)
             fp8 = self.add(fp8fx_ops.cast.default, (x, scale, fmt.dtype, block), tag_from=tag_from)
             scale_inv = self.add(aten.reciprocal.default, (scale,), tag_from=tag_from)
         if state is not None:
