@@ -23,6 +23,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 import fp8fx.ops  # noqa: F401  (registers the fp8fx::* operators)
 from fp8fx.monitor import Monitor
 from fp8fx.numerics import NumericsCollector
+from fp8fx.shadow import ShadowChecks
 from fp8fx.passes import REWRITE_PASSES, PassContext, run_passes
 from fp8fx.passes.graph_utils import decompose_nodes
 from fp8fx.passes.pipeline import PLANNING_PASSES
@@ -97,11 +98,46 @@ class Fp8fxBackend:
         self.numerics: NumericsCollector | None = None
         # The runtime monitor (fp8fx.stats): every cast sampled every `monitor_every` calls.
         self.monitor = Monitor(monitor_every) if monitor_every else None
+        # Shadow checks (policy `shadow`), the GEMMs they switched to high precision, and a
+        # counter of switches that tells compiled graphs to rebuild.
+        self.shadow = ShadowChecks(policy.shadow, self._switch) if policy.shadow is not None else None
+        self.overrides: dict[tuple[str, str], str] = {}
+        self.generation = 0
 
     def __repr__(self) -> str:
         return f"Fp8fxBackend(inner={self.inner!r}, policy={self.policy.source or 'built-in'}, graphs={len(self.graphs)})"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]):
+        if self.shadow is None:
+            return self._build(gm, example_inputs)
+        # Shadow checks may switch GEMMs to high precision: keep the graph to rebuild it then, and
+        # drop the superseded build's records from the report.
+        pristine = copy.deepcopy(gm)
+        current = {"generation": self.generation}
+
+        def build() -> None:
+            first = len(self.graphs)
+            current["fn"] = self._build(copy.deepcopy(pristine), example_inputs)
+            stale = current.get("records", [])
+            current["records"] = self.graphs[first:]
+            self.graphs = [g for g in self.graphs if all(g is not r for r in stale)]
+
+        build()
+
+        def run(*args):
+            if current["generation"] != self.generation:
+                current["generation"] = self.generation
+                build()
+            return current["fn"](*args)
+
+        return run
+
+    def _switch(self, site: str, role: str, reason: str) -> None:
+        """A shadow check's verdict: this GEMM runs in high precision from the next call on."""
+        self.overrides[(site, role)] = reason
+        self.generation += 1
+
+    def _build(self, gm: fx.GraphModule, example_inputs: list[Any]):
         param_objs = [p for p in example_inputs if isinstance(p, torch.nn.Parameter)]
         rewrite = _Rewrite(self, [weakref.ref(p) for p in param_objs])
         compile_fn = self._compile_eager if self.inner == "eager" else self._compile_inductor
@@ -138,7 +174,7 @@ class Fp8fxBackend:
 
         def plan(graph_module, *_args, **_kwargs):
             # Probes change which casts are shared, so a numerics run plans with (throwaway) probes.
-            ctx = PassContext(self.policy, numerics=NumericsCollector() if self.numerics is not None else None)
+            ctx = PassContext(self.policy, numerics=NumericsCollector() if self.numerics is not None else None, overrides=dict(self.overrides))
             run_passes(graph_module, ctx, PLANNING_PASSES)
             raise _Planned(ctx.delayed_states)
 
@@ -160,6 +196,7 @@ class Fp8fxBackend:
         traffic = non_gemm_bytes(gm.graph)
         ctx = PassContext(self.policy, fuse_epilogues=self.fuse_epilogues, kernels=self.kernels, numerics=self.numerics, graph_index=len(self.graphs),
             monitor=id(self.monitor) if self.monitor is not None else None,
+            shadow=id(self.shadow) if self.shadow is not None else None, overrides=dict(self.overrides),
         )  # fmt: skip
         if state_keys:
             inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and not str(n.target).startswith("tangents")]

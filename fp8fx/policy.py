@@ -9,6 +9,7 @@ Every value is checked where it is given: a YAML file error names the file, line
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
@@ -253,6 +254,23 @@ class Resolution:
 
 
 @dataclass(frozen=True)
+class Shadow:
+    """Shadow high-precision checks: every `every` calls, each FP8 GEMM is also computed in high
+    precision on the same inputs; a GEMM whose output SQNR stays below `tolerance_db` for
+    `patience` consecutive checks is switched to high precision (a recompile)."""
+
+    every: int = 100
+    tolerance_db: float = 20.0
+    patience: int = 3
+
+    def __post_init__(self) -> None:
+        _int(self.every, "every", 1)
+        _int(self.patience, "patience", 1)
+        if isinstance(self.tolerance_db, bool) or not isinstance(self.tolerance_db, (int, float)) or not math.isfinite(self.tolerance_db):
+            raise PolicyError("tolerance_db", f"expected a number of decibels, got {self.tolerance_db!r}")
+
+
+@dataclass(frozen=True)
 class Policy:
     """A full precision policy. Build it in Python or load it with `load_policy`."""
 
@@ -260,6 +278,7 @@ class Policy:
     rules: tuple[Rule, ...] = ()
     source: str | None = None  # file it came from, for messages
     recipe: str | None = None  # the named recipe `defaults` was built from, if any
+    shadow: Shadow | None = None  # shadow high-precision checks (off: None)
 
     @classmethod
     def from_recipe(cls, name: str, rules: tuple[Rule, ...] = (), **overrides: Any) -> Policy:
@@ -335,12 +354,15 @@ class Policy:
                 if value is not None:
                     r[name] = value.value if isinstance(value, Enum) else value
             out["rules"].append(r)
+        if self.shadow is not None:
+            out["shadow"] = {"every": self.shadow.every, "tolerance_db": self.shadow.tolerance_db, "patience": self.shadow.patience}
         return out
 
 
 # ---------------------------------------------------------------- YAML decoding
 
-_TOP_KEYS = {"version", "recipe", "defaults", "rules"}
+_TOP_KEYS = {"version", "recipe", "defaults", "rules", "shadow"}
+_SHADOW_KEYS = {f.name for f in fields(Shadow)}
 _SETTINGS_KEYS = {f.name for f in fields(Settings)}
 _RULE_KEYS = {f.name for f in fields(Rule)}
 
@@ -421,7 +443,11 @@ class _Decoder:
                 raise self.fail(rules_node, "rules", f"expected a list of rules, got {_kind(rules_node)}")
             for i, rule_node in enumerate(rules_node.value):
                 rules.append(self.rule(rule_node, f"rules[{i}]"))
-        return self.checked(root, "<root>", lambda: Policy(defaults=defaults, rules=tuple(rules), source=self.source, recipe=recipe))
+        shadow = None
+        if "shadow" in top:
+            items = self.mapping(top["shadow"], "shadow", _SHADOW_KEYS)
+            shadow = self.checked(top["shadow"], "shadow", lambda: Shadow(**{k: self.value(v) for k, v in items.items()}))
+        return self.checked(root, "<root>", lambda: Policy(defaults=defaults, rules=tuple(rules), source=self.source, recipe=recipe, shadow=shadow))
 
     def settings(self, node: yaml.Node | None, key_path: str, recipe: str | None) -> Settings:
         """`defaults`: the recipe's settings (if any), with the keys given here on top."""

@@ -85,7 +85,7 @@ def suggest_policy(report: Report, policy: Policy | None = None, min_sqnr_db: fl
         if base is not None:
             why.append(f"other settings copied from rules[{base}] ({policy.rules[base].match!r}), which matched before")
         added.append((rule, why))
-    suggested = Policy(policy.defaults, (*(r for r, _ in added), *policy.rules), recipe=policy.recipe)
+    suggested = Policy(policy.defaults, (*(r for r, _ in added), *policy.rules), recipe=policy.recipe, shadow=policy.shadow)
     return _yaml(suggested, added, report, min_sqnr_db), len(added)
 
 

@@ -28,6 +28,7 @@ class ReasonKind(str, Enum):
     DTYPE = "dtype"  # operands are not fp32/bf16/fp16
     PATTERN = "pattern"  # a form of the op fp8fx does not rewrite
     UNLINKED = "unlinked"  # a backward GEMM with no forward site to take a policy from
+    SHADOW = "shadow"  # a shadow high-precision check found its FP8 result too far off
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,8 @@ def decide(site: MatmulSite, gemm: Gemm, ctx: PassContext) -> Decision:
         return high(ReasonKind.OP_KIND, f"fused attention kernel aten.{kernel}: FP8 attention is not supported; runs in the model's precision")
     if site.forward is None:
         return high(ReasonKind.UNLINKED, "backward GEMM with no forward matmul to link it to; kept high")
+    if (site.name, gemm.role) in ctx.overrides:
+        return high(ReasonKind.SHADOW, ctx.overrides[(site.name, gemm.role)])
     res = ctx.policy.resolve(site.names, site.op)
     where = res.source if res.rule_index is None else f"{res.source} (match {ctx.policy.rules[res.rule_index].match!r})"
     if site.op not in res.settings.ops and not res.forced_fp8:

@@ -65,6 +65,10 @@ class PassContext:
     graph_index: int = 0
     # Runtime monitor (fp8fx.monitor): the id of the Monitor each cast's observe op reports to.
     monitor: int | None = None
+    # Shadow checks (fp8fx.shadow): the id of the backend's ShadowChecks, and the GEMMs they
+    # switched to high precision: (site, role) -> reason.
+    shadow: int | None = None
+    overrides: dict = field(default_factory=dict)
 
 
 def _is_dtype_cast(node: fx.Node) -> bool:

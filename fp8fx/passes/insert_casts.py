@@ -20,6 +20,7 @@ from fp8fx.passes.assign_precision import DelayedSpec
 from fp8fx.passes.find_matmuls import matmul_operands
 from fp8fx.passes.graph_utils import META_KEY, PassContext, PassResult, add_node, fake_mode_of, strip_layout
 from fp8fx.policy import AmaxComputeAlgo
+from fp8fx.shadow import ShadowChecks
 from fp8fx.state import state_key
 
 fp8fx_ops = torch.ops.fp8fx
@@ -127,6 +128,11 @@ class _Inserter:
                 new.meta[key] = gemm.meta[key]
         gemm.replace_all_uses_with(new)
         self.graph.erase_node(gemm)
+        if self.ctx.shadow is not None:  # shadow check: the same product in high precision, now and then
+            with self.graph.inserting_after(new):
+                key = ShadowChecks.key(meta["site"], meta["role"])
+                check = self.add(fp8fx_ops.shadow_check.default, (new, left, right, bias, self.ctx.shadow, key), tag_from=new)
+            new.replace_all_uses_with(check, delete_user_cb=lambda user: user is not check)
         return new
 
 
