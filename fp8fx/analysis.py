@@ -16,6 +16,7 @@ alone. For numerics it is built with real (initialised) weights, and measured on
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import sys
 import traceback
@@ -56,6 +57,17 @@ class ModelFile:
     shape_only: bool  # built on the meta device
     make_inputs: Callable[[], Any]
     calibration_data: Callable[[], Any] | None
+    build: Callable[[], nn.Module] | None  # build_model(), if the file defines it
+
+    def fresh_model(self, seed: int = 0) -> nn.Module:
+        """The same model with real weights on every call: build_model() after seeding, or a copy
+        of the module-level model as it was loaded."""
+        if self.build is None:
+            if not hasattr(self, "_initial"):
+                self._initial = copy.deepcopy(self.model)
+            return copy.deepcopy(self._initial)
+        torch.manual_seed(seed)
+        return self.build()
 
     def calibration(self, batches: int) -> list[tuple]:
         """`batches` input tuples from calibration_data() (or example_inputs() called again)."""
@@ -137,8 +149,9 @@ def load_model_file(path: str | Path, real_weights: bool = False) -> ModelFile:
     loss_fn = getattr(module, "loss_fn", None)
     calibration = getattr(module, "calibration_data", None)
     return ModelFile(
-        path, model, inputs, loss_fn if callable(loss_fn) else None, shape_only, make_inputs, calibration if callable(calibration) else None
-    )
+        path, model, inputs, loss_fn if callable(loss_fn) else None, shape_only, make_inputs,
+        calibration if callable(calibration) else None, build if callable(build) else None,
+    )  # fmt: skip
 
 
 def _default_loss(output: Any) -> torch.Tensor:

@@ -21,14 +21,14 @@ DEFAULT_MIN_SQNR_DB = 18.0  # below this a GEMM's FP8 result is noisier than tra
 
 
 @dataclass
-class _Flag:
+class Flag:
     op: OpRecord
     why: str
 
 
-def _flags(report: Report, min_sqnr_db: float | None) -> dict[str, list[_Flag]]:
+def _flags(report: Report, min_sqnr_db: float | None) -> dict[str, list[Flag]]:
     """Site -> its FP8 GEMMs to keep high, with the reason for each."""
-    flagged: dict[str, list[_Flag]] = {}
+    flagged: dict[str, list[Flag]] = {}
     for op in report.fp8_ops:
         reasons = []
         if op.slower:
@@ -38,7 +38,7 @@ def _flags(report: Report, min_sqnr_db: float | None) -> dict[str, list[_Flag]]:
         if min_sqnr_db is not None and sqnr is not None and sqnr < min_sqnr_db:
             reasons.append(f"{op.role} SQNR {sqnr:.1f} dB < {min_sqnr_db:g} dB")
         if reasons:
-            flagged.setdefault(op.site, []).append(_Flag(op, "; ".join(reasons)))
+            flagged.setdefault(op.site, []).append(Flag(op, "; ".join(reasons)))
     return flagged
 
 
@@ -56,9 +56,19 @@ def suggest_policy(report: Report, policy: Policy | None = None, min_sqnr_db: fl
 
     `report` comes from `fp8fx.analyze` with `policy`, with predictions (`Report.with_predictions`)
     and/or numerics (its `calibration`); `min_sqnr_db=None` ignores numerics."""
-    policy = policy or Policy()
-    flagged = _flags(report, min_sqnr_db)
-    sites = {op.site: op for op in report.ops}
+    basis = []
+    if report.target is not None:
+        basis.append(f"predicted times on {report.target.name} (kept high where FP8 is predicted slower than BF16)")
+    if min_sqnr_db is not None and any(op.numerics for op in report.ops):
+        basis.append(f"numerics measured on calibration data (kept high where SQNR < {min_sqnr_db:g} dB)")
+    header = "from " + (" and ".join(basis) or "the analysis alone (no target or numerics: nothing to flag)")
+    return policy_keeping_high(report.ops, _flags(report, min_sqnr_db), policy or Policy(), "fp8fx analyze --suggest-policy", header)
+
+
+def policy_keeping_high(ops: list[OpRecord], flagged: dict[str, list[Flag]], policy: Policy, made_by: str, basis: str) -> tuple[str, int]:
+    """`policy` with rules, first, keeping the flagged GEMMs of each site high (see the module
+    docstring), as commented YAML; and the number of rules added."""
+    sites = {op.site: op for op in ops}
     roles_of = {site: {f.op.role for f in flags} for site, flags in flagged.items()}
     added: list[tuple[Rule, list[str]]] = []
     done: set[str] = set()
@@ -86,20 +96,16 @@ def suggest_policy(report: Report, policy: Policy | None = None, min_sqnr_db: fl
             why.append(f"other settings copied from rules[{base}] ({policy.rules[base].match!r}), which matched before")
         added.append((rule, why))
     suggested = Policy(policy.defaults, (*(r for r, _ in added), *policy.rules), recipe=policy.recipe, shadow=policy.shadow)
-    return _yaml(suggested, added, report, min_sqnr_db), len(added)
+    return _yaml(suggested, added, made_by, basis), len(added)
 
 
-def _yaml(policy: Policy, added: list[tuple[Rule, list[str]]], report: Report, min_sqnr_db: float | None) -> str:
+def _yaml(policy: Policy, added: list[tuple[Rule, list[str]]], made_by: str, basis: str) -> str:
     data = policy.to_dict()
     rules = data.pop("rules")
-    basis = []
-    if report.target is not None:
-        basis.append(f"predicted times on {report.target.name} (kept high where FP8 is predicted slower than BF16)")
-    if min_sqnr_db is not None and any(op.numerics for op in report.ops):
-        basis.append(f"numerics measured on calibration data (kept high where SQNR < {min_sqnr_db:g} dB)")
+    shadow = data.pop("shadow", None)
     lines = [
-        "# fp8fx precision policy suggested by `fp8fx analyze --suggest-policy`,",
-        "# from " + (" and ".join(basis) or "the analysis alone (no target or numerics: nothing to flag)") + ".",
+        f"# fp8fx precision policy written by `{made_by}`,",
+        f"# {basis}.",
         "# Check it with: fp8fx policy validate FILE; use it with: fp8fx analyze --policy FILE",
         yaml.safe_dump(data, sort_keys=False).rstrip(),
         "rules:" + (" []" if not rules else ""),
@@ -110,6 +116,8 @@ def _yaml(policy: Policy, added: list[tuple[Rule, list[str]]], report: Report, m
         elif i == len(added):
             lines.append("  # the analysed policy's own rules")
         lines.append(_indent(yaml.safe_dump([rule], sort_keys=False).rstrip()))
+    if shadow is not None:
+        lines.append(yaml.safe_dump({"shadow": shadow}, sort_keys=False).rstrip())
     return "\n".join(lines) + "\n"
 
 

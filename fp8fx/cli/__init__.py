@@ -233,6 +233,49 @@ def export(
 
 
 @app.command()
+def bisect(
+    model_file: Path = typer.Argument(..., help="Python file defining build_model() (or model) and example_inputs(); optional loss_fn(output), calibration_data()."),
+    steps: int = typer.Option(8, "--steps", min=1, help="Training steps replayed in fp32 and in FP8 (one batch each)."),
+    policy: Path | None = typer.Option(None, "--policy", help="Precision-policy YAML file of the FP8 run."),
+    recipe: str | None = typer.Option(None, "--recipe", help="A named recipe instead of a policy file (see `fp8fx recipes`)."),
+    lr: float = typer.Option(1e-2, "--lr", help="SGD learning rate of the replayed steps."),
+    close: float = typer.Option(0.1, "--close", min=0.0, max=1.0, help="A set of GEMMs closes the gap when the gap with them high is at most this share of the FP8 run's."),
+    output: Path = typer.Option(Path("fp8fx-bisect.yaml"), "-o", "--output", help="Where to write the policy patch."),
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks."),
+) -> None:
+    """Find a smallest set of FP8 GEMMs (site x output/grad_input/grad_weight) whose high precision
+    closes the loss gap to fp32, and write a policy keeping them high."""
+    from fp8fx.analysis import ModelFileError, error_summary, load_model_file
+    from fp8fx.bisect import bisect as run_bisect
+    from fp8fx.policy import Policy, PolicyError, load_policy
+
+    if policy is not None and recipe is not None:
+        _fail("give --policy or --recipe, not both")
+    try:
+        chosen = load_policy(policy) if policy is not None else Policy.from_recipe(recipe) if recipe is not None else Policy()
+        loaded = load_model_file(model_file, real_weights=True)
+        batches = loaded.calibration(steps)
+        result = run_bisect(loaded.fresh_model, batches, chosen, loaded.loss_fn, lr=lr, close=close)
+    except (PolicyError, ModelFileError) as e:
+        if debug:
+            raise
+        _fail(str(e))
+    except Exception as e:  # noqa: BLE001
+        if debug:
+            raise
+        _fail(f"{model_file}: training the model raised {error_summary(e)} (--debug for the traceback)")
+    typer.echo(f"FP8 loss gap to fp32 over {steps} steps: {100 * result.gap:.3g}% (mean relative); {result.runs} training runs")
+    if not result.culprits:
+        typer.echo("no set of GEMMs closes the gap further: nothing to keep high")
+    else:
+        typer.echo(f"keeping {len(result.culprits)} GEMM(s) high leaves {100 * result.remaining_gap:.3g}%:")
+        for site, role in result.culprits:
+            typer.echo(f"  {site}  {role}")
+    output.write_text(result.policy_yaml)
+    typer.echo(f"policy patch written to {output}")
+
+
+@app.command()
 def recipes() -> None:
     """List the named recipes and the settings each one sets."""
     from fp8fx.policy import RECIPES
