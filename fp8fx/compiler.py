@@ -344,7 +344,7 @@ def report(compiled: Any) -> Report:
     shared `backend="fp8fx"` instance, a compiled module's report holds the graphs that take its
     parameters."""
     if isinstance(compiled, Fp8fxBackend):
-        return _report(compiled.graphs)
+        return _report(compiled)
     found = _find_backend(compiled)
     if found is None:
         raise ValueError(
@@ -356,7 +356,7 @@ def report(compiled: Any) -> Report:
     if found is DEFAULT_BACKEND and isinstance(orig, torch.nn.Module):
         param_ids = {id(p) for p in orig.parameters()}
         graphs = [g for g in graphs if g.belongs_to(param_ids)]
-    return _report(graphs)
+    return _report(found, graphs)
 
 
 def stats(compiled: Any) -> Monitor:
@@ -367,7 +367,8 @@ def stats(compiled: Any) -> Monitor:
     return found.monitor
 
 
-def _report(graphs: list[GraphRecord]) -> Report:
+def _report(backend: Fp8fxBackend, graphs: list[GraphRecord] | None = None) -> Report:
+    graphs = backend.graphs if graphs is None else graphs
     def summed(dicts) -> dict[str, int]:
         total: dict[str, int] = {}
         for d in dicts:
@@ -376,8 +377,10 @@ def _report(graphs: list[GraphRecord]) -> Report:
         return total
 
     training = [g for g in graphs if g.saved_bytes is not None]
-    return Report(
+    report = Report(
         [op.with_state(g.state) for g in graphs for op in g.ops],
         non_gemm_bytes=summed(g.non_gemm_bytes for g in graphs),
         saved_bytes=summed(g.saved_bytes for g in training) if training else None,
     )
+    report.monitor = backend.monitor
+    return report

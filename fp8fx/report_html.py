@@ -304,6 +304,62 @@ def _speedup_plot(ops: list[dict]) -> str | None:
     return "".join(out) + f'</svg><p class="caption">{_e(caption)}</p>'
 
 
+MAX_SERIES = 8  # casts drawn in the monitor plot
+
+
+def _monitor_plot(monitor: dict[str, list[dict]]) -> str | None:
+    """Runtime monitor samples over steps: amax (log scale) and the share of values lost to
+    saturation and underflow, for the casts that lost most (at most MAX_SERIES)."""
+    series = {k: [s for s in v if _finite(s.get("amax")) and s.get("numel")] for k, v in (monitor or {}).items()}
+    series = {k: v for k, v in series.items() if v}
+    if not series:
+        return None
+
+    def lost(samples: list[dict]) -> float:
+        return sum(s["saturated"] + s["underflow"] for s in samples) / sum(s["numel"] for s in samples)
+
+    keys = sorted(series, key=lambda k: -lost(series[k]))[:MAX_SERIES]
+    steps = [s["step"] for k in keys for s in series[k]]
+    x_lo, x_hi = min(steps), max(max(steps), min(steps) + 1)
+    left, right, top, panel, gap = 70, 20, 40, 150, 50
+    legend, last_row = _legend(keys, left, top + 2 * panel + gap + 48)
+    height = last_row + 12
+
+    def x(step: float) -> float:
+        return left + (WIDTH - left - right) * (step - x_lo) / (x_hi - x_lo)
+
+    amax = [math.log10(max(s["amax"], 1e-30)) for k in keys for s in series[k]]
+    panels = [
+        ("log10 amax", lambda s: math.log10(max(s["amax"], 1e-30)), (min(amax), max(amax))),
+        ("% lost (saturated + underflow)", lambda s: 100 * (s["saturated"] + s["underflow"]) / s["numel"], None),
+    ]
+    out = [
+        f'<svg id="plot-monitor" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" role="img">',
+        f'<text x="{WIDTH / 2}" y="18" text-anchor="middle" font-size="15" font-weight="bold">Runtime monitor: FP8 casts over training steps</text>',
+    ]
+    for p, (label, value, bounds) in enumerate(panels):
+        y0 = top + p * (panel + gap)
+        values = [value(s) for k in keys for s in series[k]]
+        ticks = _ticks(*(bounds or (0.0, max(values + [1.0]))))
+
+        def y(v: float) -> float:
+            return y0 + panel - panel * (v - ticks[0]) / (ticks[-1] - ticks[0] or 1)
+
+        for t in ticks:
+            out.append(f'<line x1="{left}" x2="{WIDTH - right}" y1="{y(t):.1f}" y2="{y(t):.1f}" stroke="#d0d7de"/>')
+            out.append(f'<text x="{left - 6}" y="{y(t) + 4:.1f}" text-anchor="end">{t:g}</text>')
+        out.append(f'<text transform="translate(16 {y0 + panel / 2}) rotate(-90)" text-anchor="middle">{_e(label)}</text>')
+        for j, k in enumerate(keys):
+            points = " ".join(f"{x(s['step']):.1f},{y(value(s)):.1f}" for s in series[k])
+            out.append(f'<polyline points="{points}" fill="none" stroke="{COLORS[j % len(COLORS)]}" stroke-width="1.5"><title>{_e(k)}</title></polyline>')
+    for t in _ticks(x_lo, x_hi):
+        if x_lo <= t <= x_hi:
+            out.append(f'<text x="{x(t):.1f}" y="{top + 2 * panel + gap + 4}" text-anchor="middle">{t:g}</text>')
+    out.append(f'<text x="{left + (WIDTH - left - right) / 2}" y="{top + 2 * panel + gap + 24}" text-anchor="middle">step (calls of the cast)</text>')
+    caption = f"{len(keys)} of {len(series)} monitored casts, those losing most values first."
+    return "".join(out) + legend + f'</svg><p class="caption">{_e(caption)}</p>'
+
+
 # --- table -----------------------------------------------------------------------------------------
 
 COLUMNS = ("site", "op", "role", "M", "N", "K", "FLOP %", "precision", "formats", "scaling", "epilogue", "FP8/BF16 speedup", "SQNR dB", "reason")
@@ -355,6 +411,7 @@ def render_html(data: dict) -> str:
         (_speedup_plot(ops), "Predicted speedup per GEMM: no predictions in this report; `fp8fx analyze --target GPU` adds them."),
     ]
     body = "".join(svg if svg else f'<p class="note">{_e(note)}</p>' for svg, note in plots)
+    body += _monitor_plot(data.get("monitor") or {}) or ""  # only for compiled models with a monitor
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><link rel="icon" href="data:,">'
         f"<title>fp8fx precision report</title><style>{CSS}</style></head><body>"

@@ -171,6 +171,7 @@ class Report:
         self.saved_bytes_high_precision: int | None = None
         self.target = None  # fp8fx.costmodel.GpuSpec the predictions are for
         self.step = None  # its fp8fx.costmodel.StepPrediction
+        self.monitor = None  # fp8fx.monitor.Monitor of the compiled model, if it has one
 
     def with_predictions(self, target) -> Report:  # noqa: ANN001 - a GpuSpec or its name / spec string
         """This report with each GEMM's predicted BF16 and FP8 time on `target` (see
@@ -236,7 +237,10 @@ class Report:
                 d["predicted"]["speedup"] = op.predicted.speedup
             return d
 
-        return {"schema": SCHEMA, "summary": self.summary(), "ops": [op_dict(op) for op in self.ops]}
+        out = {"schema": SCHEMA, "summary": self.summary(), "ops": [op_dict(op) for op in self.ops]}
+        if self.monitor is not None:
+            out["monitor"] = {key: [asdict(sample) for sample in samples] for key, samples in self.monitor.samples.items()}
+        return out
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)

@@ -90,3 +90,36 @@ def test_the_monitor_adds_one_observe_per_cast_and_nothing_when_off():
         fp8fx.stats(off)
     with pytest.raises(ValueError, match="positive integer"):
         fp8fx.backend(monitor_every=-1)
+
+
+def test_the_report_carries_the_samples_and_the_html_plots_them(tmp_path):
+    from pathlib import Path
+
+    from fp8fx.report_html import render_html
+
+    model, _ = compiled_layer("delayed", every=1)
+    for gain in (1, 10, 100):
+        model(crafted() * gain).sum().backward()
+    data = fp8fx.report(model).to_dict()
+    assert {len(v) for v in data["monitor"].values()} == {3}
+    page = render_html(data)
+    assert page.count('<svg id="plot-monitor"') == 1 and page.count("<polyline") == 2 * len(data["monitor"])
+    chromium = Path("/usr/bin/chromium")
+    if not chromium.exists():
+        pytest.skip("needs Chromium at /usr/bin/chromium (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    path = tmp_path / "report.html"
+    path.write_text(page, encoding="utf-8")
+    errors = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(chromium))
+        try:
+            tab = browser.new_page()
+            tab.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            tab.on("pageerror", lambda e: errors.append(str(e)))
+            tab.goto(path.as_uri(), wait_until="load")
+            box = tab.locator("svg#plot-monitor").bounding_box()
+        finally:
+            browser.close()
+    assert errors == [] and box["width"] > 100 and box["height"] > 100
