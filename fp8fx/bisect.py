@@ -10,6 +10,7 @@ that set high (`fp8fx analyze --policy` and compilation accept it).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from fp8fx.compiler import backend as make_backend
 from fp8fx.compiler import report as report_of
 from fp8fx.policy import Policy, policy_from_yaml
 from fp8fx.reporting import OpRecord
+from fp8fx.state import prepare
 from fp8fx.suggest import Flag, policy_keeping_high
 
 Gemm = tuple[str, str]  # (site, role)
@@ -37,6 +39,8 @@ class BisectResult:
 
 def _losses(make_model: Callable[[], nn.Module], batches: list[tuple], loss_fn, lr: float, policy: Policy | None) -> tuple[list[float], list[OpRecord]]:
     model = make_model()
+    if policy is not None and policy.uses_delayed_scaling:
+        prepare(model)
     backend = make_backend(policy=policy, inner="eager") if policy is not None else None
     run = torch.compile(model, backend=backend) if backend is not None else model
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
@@ -53,8 +57,11 @@ def _losses(make_model: Callable[[], nn.Module], batches: list[tuple], loss_fn, 
     return losses, (report_of(backend).ops if backend is not None else [])
 
 
+DIVERGED = 1e6  # the gap a non-finite loss counts as: any set that keeps the run finite beats it
+
+
 def _gap(losses: list[float], reference: list[float]) -> float:
-    return sum(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference)) / len(reference)
+    return sum(abs(a - b) / max(abs(b), 1e-12) if math.isfinite(a) else DIVERGED for a, b in zip(losses, reference)) / len(reference)
 
 
 def _patch(policy: Policy, records: list[OpRecord], ops: dict[Gemm, OpRecord], gemms: list[Gemm], why: Callable[[Gemm], str], basis: str) -> str:

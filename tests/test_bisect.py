@@ -47,3 +47,16 @@ def test_cli_bisect_writes_the_patch(tmp_path):
     assert "2  output" in result.stdout and "FP8 loss gap to fp32" in result.stdout
     patch = fp8fx.load_policy(out)
     assert [(r.match, dict(r.gemms or {})) for r in patch.rules][0] == ("2", {"output": "high"})
+
+
+def test_a_diverged_run_counts_as_the_largest_gap():
+    from fp8fx.bisect import DIVERGED, _gap
+
+    reference = [2.0, 1.0]
+    assert _gap([2.2, 1.0], reference) == 0.05
+    assert _gap([2.0, float("nan")], reference) == DIVERGED / 2 > _gap([4.0, 3.0], reference)
+
+
+def test_delayed_scaling_policies_are_prepared_for():
+    policy = fp8fx.Policy.from_recipe("delayed", rules=(fp8fx.Rule(match="2", margin=24),))
+    assert bisect(mlp, batches(3), policy, lr=0.1).culprits == [("2", "output")]
