@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 import torch
 from torch import nn
 from typer.testing import CliRunner
@@ -53,7 +55,7 @@ def test_a_diverged_run_counts_as_the_largest_gap():
     from fp8fx.bisect import DIVERGED, _gap
 
     reference = [2.0, 1.0]
-    assert _gap([2.2, 1.0], reference) == 0.05
+    assert _gap([2.2, 1.0], reference) == pytest.approx(0.05)
     assert _gap([2.0, float("nan")], reference) == DIVERGED / 2 > _gap([4.0, 3.0], reference)
 
 
