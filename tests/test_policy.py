@@ -151,7 +151,7 @@ def test_single_gemm_override(alias, role, prec, base):
 
 # (text, key_path, line, message fragment)
 BAD_FILES = {
-    "unknown_top_key": ("version: 1\nrulez: []\n", "rulez", 2, "unknown key; expected one of defaults, recipe, rules, version"),
+    "unknown_top_key": ("version: 1\nrulez: []\n", "rulez", 2, "unknown key; expected one of defaults, recipe, rules, shadow, version"),
     "unknown_rule_key": ("version: 1\nrules:\n  - match: x\n    granularty: tensorwise\n", "rules[0].granularty", 4, "unknown key"),
     "enum_defaults": ("version: 1\ndefaults:\n  format: e4m3\n  granularity: row\n", "defaults.granularity", 4,
                       "expected tensorwise|rowwise|blockwise, got 'row'"),
