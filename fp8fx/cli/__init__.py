@@ -202,8 +202,9 @@ def export(
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip onnx's checker, shape inference and the onnxruntime comparison."),
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks."),
 ) -> None:
-    """Export the inference graph as standard ONNX with FP8 QuantizeLinear/DequantizeLinear where the
-    policy says FP8, verified in onnxruntime before it is written."""
+    """Export the inference graph as standard ONNX FP8 (QuantizeLinear/DequantizeLinear), verified in onnxruntime.
+
+    Sites the policy puts in FP8 get Q/DQ with FP8 weights; nothing is written if a check fails."""
     from fp8fx.analysis import ModelFileError, load_model_file
     from fp8fx.export import ExportError, export_onnx
     from fp8fx.policy import Policy, PolicyError, load_policy
@@ -243,8 +244,9 @@ def bisect(
     output: Path = typer.Option(Path("fp8fx-bisect.yaml"), "-o", "--output", help="Where to write the policy patch."),
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks."),
 ) -> None:
-    """Find a smallest set of FP8 GEMMs (site x output/grad_input/grad_weight) whose high precision
-    closes the loss gap to fp32, and write a policy keeping them high."""
+    """Find the FP8 GEMMs that make training leave fp32, and write a policy keeping them high.
+
+    A smallest set of site x output/grad_input/grad_weight whose high precision closes the loss gap."""
     from fp8fx.analysis import ModelFileError, error_summary, load_model_file
     from fp8fx.bisect import bisect as run_bisect
     from fp8fx.policy import Policy, PolicyError, load_policy
