@@ -1,0 +1,187 @@
+"""Convergence: a character-level GPT trained on CPU in fp32, BF16 autocast, fp8fx under every named
+recipe (lm_head high), and torchao's float8 emulate mode - same init and batches per seed.
+
+Data: Python's own documentation topics (`pydoc_data.topics`), 90/10 train/validation split.
+Target: every FP8 run's final validation loss within 0.25% of fp32's, over >= 1000 steps, with
+fp32's seed-to-seed spread printed beside it (>= 3 seeds).
+
+Run (the issue's size; hours on 2 cores):
+    python bench/convergence.py --steps 1000 --seeds 3
+Quick check:
+    python bench/convergence.py --steps 40 --eval-every 20 --seeds 1 --layers 2 --dim 64 --seq 32 --batch 8
+Writes convergence.csv (run, seed, step, train_loss, val_loss) and convergence.png to --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fp8fx
+
+
+def corpus() -> tuple[torch.Tensor, torch.Tensor, int]:
+    from pydoc_data.topics import topics
+
+    text = "".join(topics[k] for k in sorted(topics))
+    index = {c: i for i, c in enumerate(sorted(set(text)))}
+    data = torch.tensor([index[c] for c in text], dtype=torch.long)
+    split = int(0.9 * len(data))
+    return data[:split], data[split:], len(index)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(vocab, dim), nn.Parameter(torch.zeros(seq, dim))
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm, self.lm_head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+
+def batch(data: torch.Tensor, args, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = torch.randint(0, len(data) - args.seq - 1, (args.batch,), generator=generator)
+    rows = torch.stack([data[s : s + args.seq + 1] for s in starts.tolist()])
+    return rows[:, :-1], rows[:, 1:]
+
+
+def prepare_run(name: str, model: nn.Module):
+    """The model as the run trains it, and the autocast context (BF16 only)."""
+    if name == "bf16":
+        return model, torch.autocast("cpu", dtype=torch.bfloat16)
+    if name == "torchao-emulate":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig(emulate=True), module_filter_fn=lambda m, fqn: fqn != "lm_head")
+        return torch.compile(model, backend="aot_eager"), torch.autocast("cpu", enabled=False)
+    if name.startswith("fp8fx-"):
+        recipe = name.removeprefix("fp8fx-")
+        policy = fp8fx.Policy.from_recipe(recipe, rules=(fp8fx.Rule(match="lm_head", precision="high"),))
+        if policy.uses_delayed_scaling:
+            fp8fx.prepare(model)
+        return torch.compile(model, backend=fp8fx.backend(policy=policy, inner="eager")), torch.autocast("cpu", enabled=False)
+    return model, torch.autocast("cpu", enabled=False)
+
+
+def train(name: str, seed: int, args, train_data, val_data, vocab: int, writer) -> tuple[float, float]:
+    torch.manual_seed(seed)
+    model = GPT(vocab, args.dim, args.heads, args.layers, args.seq)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    warmup = min(50, args.steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warmup if s < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warmup) / max(1, args.steps - warmup)))
+    )
+    run, autocast = prepare_run(name, model)
+    g = torch.Generator().manual_seed(seed)
+    val_g = torch.Generator().manual_seed(10_000)
+    val_batches = [batch(val_data, args, val_g) for _ in range(args.eval_batches)]
+    start, val = time.perf_counter(), float("nan")
+    for step in range(1, args.steps + 1):
+        x, y = batch(train_data, args, g)
+        with autocast:
+            loss = F.cross_entropy(run(x).float().reshape(-1, vocab), y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        if step % args.eval_every == 0 or step == args.steps:
+            with torch.no_grad(), autocast:
+                val = statistics.fmean(F.cross_entropy(run(vx).float().reshape(-1, vocab), vy.reshape(-1)).item() for vx, vy in val_batches)
+            writer.writerow([name, seed, step, f"{loss.item():.5f}", f"{val:.5f}"])
+            print(f"{name:22s} seed {seed} step {step:5d} train {loss.item():.4f} val {val:.4f}", flush=True)
+    torch._dynamo.reset()
+    return val, (time.perf_counter() - start) / args.steps
+
+
+def plot(rows: list[list], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves: dict[str, dict[int, list[float]]] = {}
+    for name, _seed, step, _train, val in rows:
+        curves.setdefault(name, {}).setdefault(int(step), []).append(float(val))
+    fig, (ax, gap_ax) = plt.subplots(1, 2, figsize=(13, 5))
+    base = {s: statistics.fmean(v) for s, v in curves.get("fp32", {}).items()}
+    for name, by_step in curves.items():
+        steps = sorted(by_step)
+        means = [statistics.fmean(by_step[s]) for s in steps]
+        ax.plot(steps, means, label=name)
+        if base and name != "fp32":
+            gap_ax.plot(steps, [100 * (m - base[s]) / base[s] for s, m in zip(steps, means) if s in base], label=name)
+    ax.set(xlabel="step", ylabel="validation loss (mean over seeds)", title="Character-level GPT on pydoc topics")
+    gap_ax.axhspan(-0.25, 0.25, color="#2ca02c", alpha=0.15, label="target: within 0.25%")
+    gap_ax.set(xlabel="step", ylabel="validation loss gap to fp32 (%)", title="Gap to fp32")
+    ax.legend(fontsize=8)
+    gap_ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for flag, default in (("--steps", 1000), ("--seeds", 3), ("--layers", 4), ("--dim", 256), ("--heads", 4), ("--seq", 128), ("--batch", 32), ("--eval-every", 100), ("--eval-batches", 8)):
+        ap.add_argument(flag, type=int, default=default)
+    runs = ["fp32", "bf16", *(f"fp8fx-{r}" for r in fp8fx.policy.RECIPES), "torchao-emulate"]
+    ap.add_argument("--runs", default=",".join(runs), help="comma-separated subset of: " + ", ".join(runs))
+    ap.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    args = ap.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    train_data, val_data, vocab = corpus()
+    finals: dict[str, list[float]] = {}
+    seconds: dict[str, float] = {}
+    with (args.out_dir / "convergence.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["run", "seed", "step", "train_loss", "val_loss"])
+        for name in args.runs.split(","):
+            for seed in range(args.seeds):
+                val, per_step = train(name, seed, args, train_data, val_data, vocab, writer)
+                finals.setdefault(name, []).append(val)
+                seconds[name] = per_step
+    with (args.out_dir / "convergence.csv").open() as f:
+        plot(list(csv.reader(f))[1:], args.out_dir / "convergence.png")
+    base = finals.get("fp32")
+    noise = 100 * statistics.pstdev(base) / statistics.fmean(base) if base else float("nan")
+    print(f"\nfinal validation loss after {args.steps} steps, {args.seeds} seed(s); fp32 seed-to-seed spread (std) {noise:.3f}%")
+    print(f"{'run':22s} {'val loss':>9s} {'gap %':>8s} {'min..max %':>16s} {'s/step':>7s}  target |gap| <= 0.25%")
+    for name, vals in finals.items():
+        gaps = [100 * (v - b) / b for v, b in zip(vals, base)] if base else []
+        mean_gap = statistics.fmean(gaps) if gaps else float("nan")
+        verdict = "" if name == "fp32" else ("PASS" if abs(mean_gap) <= 0.25 else "FAIL")
+        spread = f"{min(gaps):+.3f}..{max(gaps):+.3f}" if gaps else "-"
+        print(f"{name:22s} {statistics.fmean(vals):9.4f} {mean_gap:+8.3f} {spread:>16s} {seconds[name]:7.3f}  {verdict}")
+    print(f"wrote {args.out_dir / 'convergence.csv'} and {args.out_dir / 'convergence.png'}")
+
+
+if __name__ == "__main__":
+    main()
