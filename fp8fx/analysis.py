@@ -21,7 +21,7 @@ import importlib.util
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +58,13 @@ class ModelFile:
     make_inputs: Callable[[], Any]
     calibration_data: Callable[[], Any] | None
     build: Callable[[], nn.Module] | None  # build_model(), if the file defines it
+    _initial: nn.Module | None = field(default=None, init=False, repr=False)  # the module-level model as loaded
 
     def fresh_model(self, seed: int = 0) -> nn.Module:
         """The same model with real weights on every call: build_model() after seeding, or a copy
         of the module-level model as it was loaded."""
         if self.build is None:
-            if not hasattr(self, "_initial"):
+            if self._initial is None:
                 self._initial = copy.deepcopy(self.model)
             return copy.deepcopy(self._initial)
         torch.manual_seed(seed)

@@ -32,6 +32,7 @@ from torch import Tensor, fx, nn
 
 from fp8fx.analysis import error_summary
 from fp8fx.formats import Fp8Format
+from fp8fx.numerics import sqnr_db
 from fp8fx.ops import reference
 from fp8fx.passes.assign_precision import assign_precision
 from fp8fx.passes.find_matmuls import find_matmuls, matmul_operands
@@ -227,11 +228,6 @@ def _outputs(out) -> list[Tensor]:
     return [t for o in out for t in _outputs(o)] if isinstance(out, (list, tuple)) else []
 
 
-def _sqnr(ref: Tensor, approx: Tensor) -> float:
-    noise = (ref.double() - approx.double()).square().sum().item()
-    return math.inf if noise == 0 else 10 * math.log10(ref.double().square().sum().item() / noise)
-
-
 def _dynamic_shapes(example_inputs: tuple, dynamic: tuple[str, ...]):
     if not dynamic:
         return None
@@ -346,7 +342,7 @@ def _check(proto, file: str, example_inputs: tuple, emulated: list[Tensor], orig
         diff = max(diff, (got - want).abs().max().item())
         if diff > tolerance:
             raise ExportError(f"onnxruntime's output differs from fp8fx's emulation by {diff:.3g} (tolerance {tolerance:.3g}): the ONNX model does not compute what fp8fx does")
-    sqnr = min(_sqnr(o, p) for o, p in zip(original, produced))
+    sqnr = min(sqnr_db(o, p) for o, p in zip(original, produced))
     return diff, sqnr
 
 

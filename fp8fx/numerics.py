@@ -26,6 +26,19 @@ from fp8fx.scaling import expand_blocks
 EXACT_DB = 300.0  # SQNR reported when the FP8 product equals the fp64 one (no noise to measure)
 
 
+def sqnr_db(reference: Tensor, approx: Tensor) -> float:
+    """10 log10(signal / noise) in fp64: inf when `approx` is exact, -inf when it is not finite or
+    the signal is zero."""
+    reference, approx = reference.detach().double(), approx.detach().double()
+    noise = (reference - approx).square().sum().item()
+    signal = reference.square().sum().item()
+    if noise == 0:
+        return math.inf
+    if not math.isfinite(noise) or signal == 0:
+        return -math.inf
+    return 10 * math.log10(signal / noise)
+
+
 @dataclass(frozen=True)
 class OperandStats:
     amax: float  # largest magnitude seen

@@ -12,6 +12,8 @@ import re
 from html import escape
 from typing import Any
 
+from fp8fx.reporting import mib, repeated_site
+
 MAX_POINTS = 100  # x positions of a per-site plot
 MAX_BARS = 60  # bars of the speedup plot
 SQNR_AXIS = (0.0, 60.0)  # SQNR beyond it (an exact product reports 300 dB) is drawn at the edge
@@ -63,10 +65,6 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
-
-
 def _short(text: str, n: int) -> str:
     """`text` cut to `n` characters from the left: the end of a site name tells sites apart."""
     return text if len(text) <= n else "…" + text[1 - n :]
@@ -105,8 +103,8 @@ def _summary(s: dict) -> str:
     fallbacks = s.get("fallbacks_by_reason") or {}
     rows.append(("Kept in high precision", ", ".join(f"{k}: {v}" for k, v in sorted(fallbacks.items())) or "none"))
     if s.get("fp8_saved_activation_bytes") is not None:
-        of = f" of {_mib(s['saved_for_backward_bytes'])} saved for backward" if s.get("saved_for_backward_bytes") else ""
-        rows.append(("Activation memory FP8 saves", _mib(s["fp8_saved_activation_bytes"]) + of))
+        of = f" of {mib(s['saved_for_backward_bytes'])} saved for backward" if s.get("saved_for_backward_bytes") else ""
+        rows.append(("Activation memory FP8 saves", mib(s["fp8_saved_activation_bytes"]) + of))
     if s.get("folded_blocks"):
         rows.append(("Repeated blocks traced once", ", ".join(f"{k} ×{v}" for k, v in s["folded_blocks"].items())))
     if s.get("fused_epilogues") is not None:
@@ -265,7 +263,7 @@ def _speedup_plot(ops: list[dict]) -> str | None:
     for op in ops:
         p = op.get("predicted") or {}
         if op.get("precision") == "fp8" and _finite(p.get("speedup")):
-            key = (re.sub(r"(?<=\.)\d+(?=[.:]|$)", "*", op["site"]), op["role"], p.get("bf16_us"), p.get("fp8_us"), p["speedup"])
+            key = (repeated_site(op["site"]), op["role"], p.get("bf16_us"), p.get("fp8_us"), p["speedup"])
             groups.setdefault(key, []).append(op)
     if not groups:
         return None

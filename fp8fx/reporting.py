@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -136,7 +137,12 @@ class OpRecord:
         )
 
 
-def _mib(n: int) -> str:
+def repeated_site(site: str) -> str:
+    """`layers.3.mlp` -> `layers.*.mlp`: the name a site shares with its copies in repeated blocks."""
+    return re.sub(r"(?<=\.)\d+(?=[.:]|$)", "*", site)
+
+
+def mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
@@ -295,9 +301,9 @@ class Report:
         if s["folded_blocks"]:
             lines.append("repeated blocks traced once: " + ", ".join(f"{k} x{v}" for k, v in s["folded_blocks"].items()))
         if s["saved_for_backward_bytes"]:
-            line = f"activations saved for backward: {_mib(s['saved_for_backward_bytes'])}"
+            line = f"activations saved for backward: {mib(s['saved_for_backward_bytes'])}"
             if s["fp8_saved_activation_bytes"] is not None:
-                line += f" ({_mib(s['saved_for_backward_bytes'] + s['fp8_saved_activation_bytes'])} with every GEMM in high precision)"
+                line += f" ({mib(s['saved_for_backward_bytes'] + s['fp8_saved_activation_bytes'])} with every GEMM in high precision)"
             lines.append(line)
         if self.step:
             lines.append(

@@ -9,7 +9,6 @@ reason (reason kind `shadow`)."""
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from fp8fx.numerics import sqnr_db
 from fp8fx.policy import Shadow
 
 
@@ -52,10 +52,7 @@ class ShadowChecks:
         reference = torch.matmul(left.detach().double(), right.detach().double())
         if bias is not None:
             reference = reference + bias.detach().double()
-        noise = (reference - out.detach().double()).square().sum().item()
-        signal = reference.square().sum().item()
-        sqnr = math.inf if noise == 0 else (10 * math.log10(signal / noise) if signal > 0 else -math.inf)
-        sqnr = -math.inf if math.isnan(sqnr) else sqnr  # a non-finite FP8 result fails the check
+        sqnr = sqnr_db(reference, out)  # a non-finite FP8 result gives -inf: it fails the check
         role, site = key.split("|", 1)
         result = Check(site, role, step, sqnr)
         self.checks.append(result)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import yaml
 
 from fp8fx.policy import Policy, Precision, Rule
-from fp8fx.reporting import OpRecord, Report
+from fp8fx.reporting import OpRecord, Report, repeated_site
 
 DEFAULT_MIN_SQNR_DB = 18.0  # below this a GEMM's FP8 result is noisier than training tolerates well
 
@@ -40,11 +40,6 @@ def _flags(report: Report, min_sqnr_db: float | None) -> dict[str, list[Flag]]:
         if reasons:
             flagged.setdefault(op.site, []).append(Flag(op, "; ".join(reasons)))
     return flagged
-
-
-def _pattern(site: str) -> str:
-    """`layers.3.mlp` -> `layers.*.mlp`: one rule for a site repeated across blocks."""
-    return re.sub(r"(?<=\.)\d+(?=\.|$|:)", "*", site)
 
 
 def _exact(site: str) -> str:
@@ -77,7 +72,7 @@ def policy_keeping_high(ops: list[OpRecord], flagged: dict[str, list[Flag]], pol
             continue
         op = flags[0].op
         base = policy.resolve((op.site, op.fqn) if op.fqn != op.site else (op.site,), op.op).rule_index
-        pattern = _pattern(site)
+        pattern = repeated_site(site)  # one rule for a site repeated across blocks
         group = [s for s in sites if fnmatch.fnmatchcase(s, pattern)]
         alike = all(
             roles_of.get(s) == roles_of[site]

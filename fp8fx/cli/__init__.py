@@ -18,6 +18,20 @@ def _fail(message: str) -> None:
     raise typer.Exit(1)
 
 
+def _chosen_policy(policy: Path | None, recipe: str | None, debug: bool):
+    """The policy of --policy FILE or --recipe NAME (default: the built-in one); one error line if bad."""
+    from fp8fx.policy import Policy, PolicyError, load_policy
+
+    if policy is not None and recipe is not None:
+        _fail("give --policy or --recipe, not both")
+    try:
+        return load_policy(policy) if policy is not None else Policy.from_recipe(recipe) if recipe is not None else Policy()
+    except PolicyError as e:
+        if debug:
+            raise
+        _fail(str(e))
+
+
 @app.command()
 def demo(
     steps: int = typer.Option(10, min=1, help="Training steps."),
@@ -97,12 +111,9 @@ def analyze(
     A model made by build_model() is built on the meta device (shapes only, no weights) unless
     --numerics asks for real tensors."""
     from fp8fx.analysis import CoverageError, ModelFileError, analyze as run_analysis, assert_coverage, load_model_file
-    from fp8fx.policy import Policy, PolicyError, load_policy
 
     if fmt not in FORMATS:
         _fail(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if policy is not None and recipe is not None:
-        _fail("give --policy or --recipe, not both")
     if suggest is not None and target is None and not numerics:
         _fail("--suggest-policy needs --target (speed) or --numerics (accuracy) to decide from")
     spec = None
@@ -113,15 +124,15 @@ def analyze(
             spec = gpu(target)
         except ValueError as e:
             _fail(f"--target: {e}")
+    chosen = _chosen_policy(policy, recipe, debug)
     try:
-        chosen = load_policy(policy) if policy is not None else Policy.from_recipe(recipe) if recipe is not None else Policy()
         loaded = load_model_file(model_file, real_weights=numerics)
         calibration = loaded.calibration(calibrate) if numerics else None
         with _progress() as progress:
             report = run_analysis(loaded.model, loaded.example_inputs, chosen, train=train, loss_fn=loaded.loss_fn, calibration=calibration, progress=progress)
         if spec is not None:
             report = report.with_predictions(spec)
-    except (PolicyError, ModelFileError) as e:
+    except ModelFileError as e:
         if debug:
             raise
         _fail(str(e))
@@ -207,17 +218,14 @@ def export(
     Sites the policy puts in FP8 get Q/DQ with FP8 weights; nothing is written if a check fails."""
     from fp8fx.analysis import ModelFileError, load_model_file
     from fp8fx.export import ExportError, export_onnx
-    from fp8fx.policy import Policy, PolicyError, load_policy
 
-    if policy is not None and recipe is not None:
-        _fail("give --policy or --recipe, not both")
+    chosen = _chosen_policy(policy, recipe, debug)
     try:
-        chosen = load_policy(policy) if policy is not None else Policy.from_recipe(recipe) if recipe is not None else Policy()
         loaded = load_model_file(model_file, real_weights=True)
         calibration = loaded.calibration(calibrate)
         dims = tuple(d.strip() for d in dynamic.split(",") if d.strip())
         result = export_onnx(loaded.model, loaded.example_inputs, onnx_path, chosen, calibration, opset=opset, dynamic=dims, verify=not no_verify)
-    except (PolicyError, ModelFileError, ExportError) as e:
+    except (ModelFileError, ExportError) as e:
         if debug:
             raise
         _fail(str(e))
@@ -249,16 +257,13 @@ def bisect(
     A smallest set of site x output/grad_input/grad_weight whose high precision closes the loss gap."""
     from fp8fx.analysis import ModelFileError, error_summary, load_model_file
     from fp8fx.bisect import bisect as run_bisect
-    from fp8fx.policy import Policy, PolicyError, load_policy
 
-    if policy is not None and recipe is not None:
-        _fail("give --policy or --recipe, not both")
+    chosen = _chosen_policy(policy, recipe, debug)
     try:
-        chosen = load_policy(policy) if policy is not None else Policy.from_recipe(recipe) if recipe is not None else Policy()
         loaded = load_model_file(model_file, real_weights=True)
         batches = loaded.calibration(steps)
         result = run_bisect(loaded.fresh_model, batches, chosen, loaded.loss_fn, lr=lr, close=close)
-    except (PolicyError, ModelFileError) as e:
+    except ModelFileError as e:
         if debug:
             raise
         _fail(str(e))
