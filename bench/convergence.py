@@ -5,11 +5,13 @@ Data: Python's own documentation topics (`pydoc_data.topics`), 90/10 train/valid
 Target: every FP8 run's final validation loss within 0.25% of fp32's, over >= 1000 steps, with
 fp32's seed-to-seed spread printed beside it (>= 3 seeds).
 
-Run (the issue's size; hours on 2 cores):
+Run (4 layers, d=256: hours on 2 cores):
     python bench/convergence.py --steps 1000 --seeds 3
 Quick check:
     python bench/convergence.py --steps 40 --eval-every 20 --seeds 1 --layers 2 --dim 64 --seq 32 --batch 8
-Writes convergence.csv (run, seed, step, train_loss, val_loss) and convergence.png to --out-dir.
+Writes convergence.csv (run, seed, step, train_loss, val_loss, seconds) and convergence.png to
+--out-dir. To use both cores, train subsets into separate CSVs with --runs/--csv and merge them:
+    python bench/convergence.py --report a.csv b.csv
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def prepare_run(name: str, model: nn.Module):
     return model, torch.autocast("cpu", enabled=False)
 
 
-def train(name: str, seed: int, args, train_data, val_data, vocab: int, writer) -> tuple[float, float]:
+def train(name: str, seed: int, args, train_data, val_data, vocab: int, writer) -> None:
     torch.manual_seed(seed)
     model = GPT(vocab, args.dim, args.heads, args.layers, args.seq)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -116,10 +118,9 @@ def train(name: str, seed: int, args, train_data, val_data, vocab: int, writer) 
         if step % args.eval_every == 0 or step == args.steps:
             with torch.no_grad(), autocast:
                 val = statistics.fmean(F.cross_entropy(run(vx).float().reshape(-1, vocab), vy.reshape(-1)).item() for vx, vy in val_batches)
-            writer.writerow([name, seed, step, f"{loss.item():.5f}", f"{val:.5f}"])
+            writer.writerow([name, seed, step, f"{loss.item():.5f}", f"{val:.5f}", f"{time.perf_counter() - start:.1f}"])
             print(f"{name:22s} seed {seed} step {step:5d} train {loss.item():.4f} val {val:.4f}", flush=True)
     torch._dynamo.reset()
-    return val, (time.perf_counter() - start) / args.steps
 
 
 def plot(rows: list[list], out: Path) -> None:
@@ -129,7 +130,7 @@ def plot(rows: list[list], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     curves: dict[str, dict[int, list[float]]] = {}
-    for name, _seed, step, _train, val in rows:
+    for name, _seed, step, _train, val, _seconds in rows:
         curves.setdefault(name, {}).setdefault(int(step), []).append(float(val))
     fig, (ax, gap_ax) = plt.subplots(1, 2, figsize=(13, 5))
     base = {s: statistics.fmean(v) for s, v in curves.get("fp32", {}).items()}
@@ -148,6 +149,40 @@ def plot(rows: list[list], out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def summarize(rows: list[list]) -> None:
+    """Final validation loss per run and seed, the gap to fp32 with the same seed, and s/step."""
+    last: dict[tuple[str, int], tuple[int, float, float]] = {}
+    for name, seed, step, _train, val, seconds in rows:
+        key = (name, int(seed))
+        if key not in last or int(step) > last[key][0]:
+            last[key] = (int(step), float(val), float(seconds))
+    runs = list(dict.fromkeys(name for name, _seed in last))
+    base = {seed: val for (name, seed), (_s, val, _t) in last.items() if name == "fp32"}
+    steps = {s for s, _v, _t in last.values()}
+    if len(steps) != 1:
+        raise SystemExit(f"runs stopped at different steps {sorted(steps)}: not comparable")
+    (steps,) = steps
+    noise = 100 * statistics.pstdev(base.values()) / statistics.fmean(base.values()) if base else float("nan")
+    print(f"\nfinal validation loss after {steps} steps, {len(base)} seed(s); fp32 seed-to-seed spread (std) {noise:.3f}%")
+    print(f"{'run':22s} {'val loss':>9s} {'gap %':>8s} {'min..max %':>16s} {'s/step':>7s}  target |gap| <= 0.25%")
+    for name in runs:
+        mine = {seed: v for (n, seed), v in last.items() if n == name}
+        gaps = [100 * (val - base[seed]) / base[seed] for seed, (_s, val, _t) in mine.items() if seed in base]
+        mean_gap = statistics.fmean(gaps) if gaps else float("nan")
+        verdict = "" if name == "fp32" or not gaps else ("PASS" if abs(mean_gap) <= 0.25 else "FAIL")
+        spread = f"{min(gaps):+.3f}..{max(gaps):+.3f}" if gaps else "-"
+        per_step = statistics.fmean(t for _s, _v, t in mine.values()) / steps
+        print(f"{name:22s} {statistics.fmean(v for _s, v, _t in mine.values()):9.4f} {mean_gap:+8.3f} {spread:>16s} {per_step:7.3f}  {verdict}")
+
+
+def read_rows(paths: list[Path]) -> list[list]:
+    rows = []
+    for path in paths:
+        with path.open() as f:
+            rows += list(csv.reader(f))[1:]
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("--steps", 1000), ("--seeds", 3), ("--layers", 4), ("--dim", 256), ("--heads", 4), ("--seq", 128), ("--batch", 32), ("--eval-every", 100), ("--eval-batches", 8)):
@@ -155,32 +190,26 @@ def main() -> None:
     runs = ["fp32", "bf16", *(f"fp8fx-{r}" for r in fp8fx.policy.RECIPES), "torchao-emulate"]
     ap.add_argument("--runs", default=",".join(runs), help="comma-separated subset of: " + ", ".join(runs))
     ap.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    ap.add_argument("--csv", default="convergence.csv", help="file name of this invocation's CSV in --out-dir")
+    ap.add_argument("--report", nargs="+", type=Path, help="train nothing: merge these CSVs, plot and print the table")
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    train_data, val_data, vocab = corpus()
-    finals: dict[str, list[float]] = {}
-    seconds: dict[str, float] = {}
-    with (args.out_dir / "convergence.csv").open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["run", "seed", "step", "train_loss", "val_loss"])
-        for name in args.runs.split(","):
-            for seed in range(args.seeds):
-                val, per_step = train(name, seed, args, train_data, val_data, vocab, writer)
-                finals.setdefault(name, []).append(val)
-                seconds[name] = per_step
-    with (args.out_dir / "convergence.csv").open() as f:
-        plot(list(csv.reader(f))[1:], args.out_dir / "convergence.png")
-    base = finals.get("fp32")
-    noise = 100 * statistics.pstdev(base) / statistics.fmean(base) if base else float("nan")
-    print(f"\nfinal validation loss after {args.steps} steps, {args.seeds} seed(s); fp32 seed-to-seed spread (std) {noise:.3f}%")
-    print(f"{'run':22s} {'val loss':>9s} {'gap %':>8s} {'min..max %':>16s} {'s/step':>7s}  target |gap| <= 0.25%")
-    for name, vals in finals.items():
-        gaps = [100 * (v - b) / b for v, b in zip(vals, base)] if base else []
-        mean_gap = statistics.fmean(gaps) if gaps else float("nan")
-        verdict = "" if name == "fp32" else ("PASS" if abs(mean_gap) <= 0.25 else "FAIL")
-        spread = f"{min(gaps):+.3f}..{max(gaps):+.3f}" if gaps else "-"
-        print(f"{name:22s} {statistics.fmean(vals):9.4f} {mean_gap:+8.3f} {spread:>16s} {seconds[name]:7.3f}  {verdict}")
-    print(f"wrote {args.out_dir / 'convergence.csv'} and {args.out_dir / 'convergence.png'}")
+    if not args.report:
+        unknown = set(args.runs.split(",")) - set(runs)
+        if unknown:
+            raise SystemExit(f"unknown run(s) {sorted(unknown)}; choose from {runs}")
+        train_data, val_data, vocab = corpus()
+        with (args.out_dir / args.csv).open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["run", "seed", "step", "train_loss", "val_loss", "seconds"])
+            for name in args.runs.split(","):
+                for seed in range(args.seeds):
+                    train(name, seed, args, train_data, val_data, vocab, writer)
+                    f.flush()
+    rows = read_rows(args.report or [args.out_dir / args.csv])
+    plot(rows, args.out_dir / "convergence.png")
+    summarize(rows)
+    print(f"wrote {args.out_dir / 'convergence.png'}")
 
 
 if __name__ == "__main__":

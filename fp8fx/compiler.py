@@ -27,7 +27,7 @@ from fp8fx.shadow import ShadowChecks
 from fp8fx.passes import REWRITE_PASSES, PassContext, run_passes
 from fp8fx.passes.graph_utils import decompose_nodes
 from fp8fx.passes.pipeline import PLANNING_PASSES
-from fp8fx.state import BUFFERS, Fp8State, state_for
+from fp8fx.state import BUFFERS, Fp8State, instance_keys, locate
 from fp8fx.policy import GEMM_ROLES, Policy, load_policy
 from fp8fx.reporting import OpRecord, Report
 from fp8fx.traffic import non_gemm_bytes, saved_activation_bytes
@@ -52,6 +52,29 @@ class GraphRecord:
     def belongs_to(self, param_ids: set[int]) -> bool:
         alive = [p() for p in self.params]
         return bool(alive) and all(p is not None and id(p) in param_ids for p in alive)
+
+
+def _refuse_dtensors(example_inputs: list[Any]) -> None:
+    """Tensor and sequence parallelism hand the graph DTensors (FSDP2 hands it plain unsharded
+    parameters): their FP8 scales would need reductions across the model-parallel group."""
+    from torch.distributed.tensor import DTensor
+
+    found = next((x for x in example_inputs if isinstance(x, DTensor)), None)
+    if found is not None:
+        raise NotImplementedError(
+            f"fp8fx: a graph input is a DTensor sharded as {found.placements} on {found.device_mesh}: tensor and sequence "
+            "parallelism are not supported; fp8fx composes with DistributedDataParallel and FSDP2 (fully_shard) only"
+        )
+
+
+def _amax_group_name(state: Fp8State | None) -> str | None:
+    """The process group that delayed-scaling amaxes are reduced over, when there is more than one rank."""
+    import torch.distributed as dist
+
+    if state is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    group = state.amax_group if state.amax_group is not None else dist.group.WORLD
+    return group.group_name if dist.get_world_size(group) > 1 else None
 
 
 def _graph_kind(gm: fx.GraphModule) -> str:
@@ -138,33 +161,45 @@ class Fp8fxBackend:
         self.generation += 1
 
     def _build(self, gm: fx.GraphModule, example_inputs: list[Any]):
-        param_objs = [p for p in example_inputs if isinstance(p, torch.nn.Parameter)]
+        _refuse_dtensors(example_inputs)
+        positions = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.nn.Parameter)]
+        param_objs = [example_inputs[i] for i in positions]
         rewrite = _Rewrite(self, [weakref.ref(p) for p in param_objs])
         compile_fn = self._compile_eager if self.inner == "eager" else self._compile_inductor
         plan = self._plan_delayed_states(gm, example_inputs) if self.policy.uses_delayed_scaling else {}
         if not plan:
             return compile_fn(gm, example_inputs, rewrite)
         # Delayed scaling: the states become extra graph inputs, passed on every call (looked up
-        # by name each time, so a load_state_dict(assign=True) is picked up too).
-        owner = state_for(param_objs)
-        if owner is None:
-            raise RuntimeError(
-                "fp8fx: delayed scaling keeps its amax histories and scales in the model: call "
-                "fp8fx.prepare(model) before torch.compile(model, ...)"
-            )
-        device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        # by name each time, so a load_state_dict(assign=True) is picked up too). Dynamo runs one
+        # graph for every instance of a module compiled alone (each block), so the states are
+        # chosen per call by the parameters the graph receives.
         keys = list(plan)
-        for key in keys:
-            owner.ensure(key, plan[key], device)
+        device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        instances: dict[tuple[int, ...], tuple[Fp8State, list[str]]] = {}
 
-        def states() -> list[torch.Tensor]:
-            return [t for key in keys for t in owner.get(key).tensors()]
+        def states(params: list[torch.Tensor]) -> list[torch.Tensor]:
+            ids = tuple(id(p) for p in params)
+            if ids not in instances:
+                found = locate(params)
+                if found is None:
+                    raise RuntimeError(
+                        "fp8fx: delayed scaling keeps its amax histories and scales in the model: call "
+                        "fp8fx.prepare(model) before torch.compile(model, ...)"
+                    )
+                owner, prefix = found
+                names = instance_keys(keys, prefix)
+                for key, name in zip(keys, names):
+                    owner.ensure(name, plan[key], device)
+                instances[ids] = (owner, names)
+            owner, names = instances[ids]
+            return [t for name in names for t in owner.get(name).tensors()]
 
-        rewrite.state_keys, rewrite.state = keys, owner
-        compiled = compile_fn(_with_extra_inputs(gm, len(BUFFERS) * len(keys)), [*example_inputs, *states()], rewrite)
+        first = states(param_objs)
+        rewrite.state_keys, rewrite.state = keys, instances[tuple(id(p) for p in param_objs)][0]
+        compiled = compile_fn(_with_extra_inputs(gm, len(BUFFERS) * len(keys)), [*example_inputs, *first], rewrite)
 
         def run(*args):
-            return compiled(*args, *states())
+            return compiled(*args, *states([args[i] for i in positions]))
 
         return run
 
@@ -197,6 +232,7 @@ class Fp8fxBackend:
         ctx = PassContext(self.policy, fuse_epilogues=self.fuse_epilogues, kernels=self.kernels, numerics=self.numerics, graph_index=len(self.graphs),
             monitor=id(self.monitor) if self.monitor is not None else None,
             shadow=id(self.shadow) if self.shadow is not None else None, overrides=dict(self.overrides),
+            amax_group=_amax_group_name(state) if state_keys else None,
         )  # fmt: skip
         if state_keys:
             inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and not str(n.target).startswith("tangents")]

@@ -50,6 +50,7 @@ class Fp8State(nn.Module):
         super().__init__()
         self.states = nn.ModuleDict()
         self._pending: dict[str, torch.Tensor] = {}  # loaded before the buffers existed
+        self.amax_group = None  # torch.distributed group the amaxes are reduced over (None: default)
 
     def ensure(self, key: str, history_len: int, device: torch.device) -> DelayedScalingState:
         name = _module_name(key)
@@ -82,13 +83,16 @@ class Fp8State(nn.Module):
                 self._pending[key] = value.detach().clone()
 
 
-_PREPARED: weakref.WeakValueDictionary[int, Fp8State] = weakref.WeakValueDictionary()
+_PREPARED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
-def prepare(model: nn.Module) -> nn.Module:
+def prepare(model: nn.Module, amax_group=None) -> nn.Module:  # noqa: ANN001 - a ProcessGroup
     """Give `model` a place for fp8fx's delayed-scaling state, saved in its `state_dict`. Returns it.
 
-    Call before `torch.compile` and before `load_state_dict` of a checkpoint that holds state."""
+    Call before `torch.compile` and before `load_state_dict` of a checkpoint that holds state.
+    Under torch.distributed, every amax is reduced (max) across `amax_group` before it updates a
+    scale, so all ranks use the same scales, as TransformerEngine's `reduce_amax`; the default is
+    the default process group, which must be the data-parallel one."""
     state = model.__dict__.get(STATE_ATTR)
     if state is None:
         state = Fp8State()
@@ -104,12 +108,54 @@ def prepare(model: nn.Module) -> nn.Module:
 
         model.register_state_dict_post_hook(save)
         model.register_load_state_dict_pre_hook(load)
-    for p in model.parameters():
-        _PREPARED[id(p)] = state
+    state.amax_group = amax_group
+    _PREPARED.add(model)
     return model
+
+
+def _parameter_names(model: nn.Module) -> dict[int, str]:
+    """FQN of each of `model`'s parameters by id, FSDP2's unsharded parameters included (those
+    are the ones a compiled forward receives)."""
+    names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    module_names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if hasattr(module, "_get_fsdp_state") else None
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)  # made by the first all-gather
+            if unsharded is not None:
+                owner = module_names.get(id(fsdp_param._module_info.module))
+                if owner is not None:
+                    names[id(unsharded)] = f"{owner}.{fsdp_param._module_info.param_name}".lstrip(".")
+    return names
+
+
+def locate(params: list[torch.Tensor]) -> tuple[Fp8State, str] | None:
+    """The state of the prepared model that holds `params`, and the FQN prefix of the module
+    instance they all live in ("blocks.1." when one block is compiled alone, "" for a whole
+    model)."""
+    for model in list(_PREPARED):
+        names = _parameter_names(model)
+        fqns = [names[id(p)] for p in params if id(p) in names]
+        if fqns:
+            paths = [name.split(".")[:-1] for name in fqns]
+            common = paths[0]
+            for path in paths[1:]:
+                common = common[: next((i for i, (a, b) in enumerate(zip(common, path)) if a != b), min(len(common), len(path)))]
+            return model.__dict__[STATE_ATTR], "".join(f"{part}." for part in common)
+    return None
+
+
+def instance_keys(keys: list[str], prefix: str) -> list[str]:
+    """State keys for one module instance. A graph compiled from one block names its sites
+    relative to the block ("qkv"), and dynamo runs the same graph for every block: the keys get
+    the instance's prefix, so each block keeps its own scales. Whole-model graphs already name
+    sites by full FQN (some start with the prefix) and keep their keys."""
+    if not prefix or any(key.startswith(prefix) for key in keys):
+        return list(keys)
+    return [prefix + key for key in keys]
 
 
 def state_for(params: list[torch.Tensor]) -> Fp8State | None:
     """The state of the prepared model whose parameters these are."""
-    states = {id(s): s for p in params if (s := _PREPARED.get(id(p))) is not None}
-    return next(iter(states.values())) if len(states) == 1 else None
+    found = locate(params)
+    return found[0] if found is not None else None

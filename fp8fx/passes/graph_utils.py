@@ -69,6 +69,8 @@ class PassContext:
     # switched to high precision: (site, role) -> reason.
     shadow: int | None = None
     overrides: dict = field(default_factory=dict)
+    # Delayed scaling under torch.distributed: the process group (name) each amax is reduced over.
+    amax_group: str | None = None
 
 
 def _is_dtype_cast(node: fx.Node) -> bool:

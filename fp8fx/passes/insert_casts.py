@@ -77,6 +77,9 @@ class _Inserter:
             else:  # delayed: cast with the scale in use, then record this amax and update the state
                 scale = state[1]
                 d = spec.delayed
+                if self.ctx.amax_group is not None:  # every rank updates from the same amax
+                    amax = self.add(torch.ops._c10d_functional.all_reduce.default, (amax, "max", self.ctx.amax_group), tag_from=tag_from)
+                    amax = self.add(torch.ops._c10d_functional.wait_tensor.default, (amax,), tag_from=tag_from)
                 update_args = (*state, amax, fmt.max, spec.margin, spec.power_of_two, d.algo is AmaxComputeAlgo.MOST_RECENT, d.interval)
                 update = self.add(fp8fx_ops.delayed_scale_update.default, update_args, tag_from=tag_from)
                 new_state = [self.add(operator.getitem, (update, i), tag_from=tag_from) for i in range(len(state))]
