@@ -20,9 +20,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from helpers import tiny_llama
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
 import fp8fx
 from fp8fx.demo import TinyTransformer
+from fp8fx.distributed import enable_fp8_all_gather
 
 WORLD, STEPS, BATCH, SEQ, LR = 2, 3, 8, 16, 0.5
 # (model, recipe, how): how = "compile-wrap" or "wrap-compile"
@@ -192,3 +194,136 @@ def tp_worker(rank: int, store: str, out: str) -> None:
         Path(out, f"tp-{rank}.txt").write_text(message)
     finally:
         dist.destroy_process_group()
+
+
+# FP8 all-gather of weights under FSDP2: the same training as FSDP2's own all-gather, 1 byte per
+# FP8-cast weight element on the wire instead of 4 (fp32 parameters).
+AG_POLICY = fp8fx.Policy.from_recipe("tensorwise", rules=(fp8fx.Rule(match="lm_head", precision="high"),))
+
+
+class CountingAllGather(DefaultAllGather):
+    """FSDP2's default all-gather, recording the bytes each rank puts into every call."""
+
+    def __init__(self, unit: str, log: list):
+        self.unit, self.log = unit, log
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):  # noqa: ANN001
+        self.log.append((self.unit, input_tensor.numel() * input_tensor.element_size()))
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+def fp8_all_gather_case(rank: int, fp8: bool) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = TinyTransformer(max_seq=SEQ)
+    decisions = enable_fp8_all_gather(model, AG_POLICY) if fp8 else []
+    backend = fp8fx.backend(policy=AG_POLICY, inner="eager")
+    log: list = []
+    units = {f"blocks.{i}": block for i, block in enumerate(model.blocks)} | {"lm_head": model.lm_head, "": model}
+    for name, module in units.items():
+        if module is not model:
+            module.compile(backend=backend)
+        fully_shard(module)
+        module.set_custom_all_gather(CountingAllGather(name, log))
+    out = results(model, train(model, model, rank, WORLD, LR))
+    return out | {"log": log, "decisions": [(d.name, d.fp8, d.reason) for d in decisions]}
+
+
+def fp8_all_gather_worker(rank: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        for fp8 in (False, True):
+            torch._dynamo.reset()
+            torch.save(fp8_all_gather_case(rank, fp8), Path(out) / f"ag-{fp8}-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def expected_bytes(unit: str, fp8_weights: set[str]) -> int:
+    """What one rank sends per all-gather of `unit`: its half of every parameter the unit
+    owns directly, 1 byte per element of an FP8-gathered weight, 4 (fp32) otherwise."""
+    model = TinyTransformer(max_seq=SEQ)
+    owned = [(n, p) for n, p in model.named_parameters() if n.startswith(unit)] if unit else [
+        (n, p) for n, p in model.named_parameters() if not n.startswith(("blocks.", "lm_head"))
+    ]
+    return sum(p.numel() // WORLD * (1 if n.removesuffix(".weight") in fp8_weights else 4) for n, p in owned)
+
+
+def test_fsdp2_fp8_all_gather_trains_identically_with_a_quarter_of_the_weight_bytes(tmp_path):
+    mp.start_processes(fp8_all_gather_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True, start_method="spawn")
+    base = [torch.load(tmp_path / f"ag-False-{r}.pt") for r in range(WORLD)]
+    fp8 = [torch.load(tmp_path / f"ag-True-{r}.pt") for r in range(WORLD)]
+    decisions = {name: (gathered, reason) for name, gathered, reason in fp8[0]["decisions"]}
+    fp8_weights = {name for name, (gathered, _) in decisions.items() if gathered}
+    # every linear got a decision: the blocks' four in FP8, lm_head kept high by the policy's rule
+    assert fp8_weights == {f"blocks.{i}.{n}" for i in range(2) for n in ("qkv", "proj", "up", "down")}
+    assert decisions["lm_head"] == (False, "rules[0] (match 'lm_head'): the weight's GEMMs (output, grad_input) are high precision")
+    for ours, theirs in zip(fp8, base):
+        # the graph's own cast of the gathered weight lands on the FP8 values the shard cast made:
+        # the same GEMMs, so the same training up to the scale's last bit
+        assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-6)
+        for n, p in ours["params"].items():
+            assert torch.allclose(p, theirs["params"][n], rtol=1e-5, atol=1e-6), n
+        for run, weights in ((ours, fp8_weights), (theirs, set())):
+            calls = run["log"]
+            assert {unit for unit, _ in calls} == {"blocks.0", "blocks.1", "lm_head", ""}
+            for unit, sent in calls:
+                assert sent == expected_bytes(unit, weights), unit
+    block_bytes = [sum(b for unit, b in run["log"] if unit.startswith("blocks.")) for run in (fp8[0], base[0])]
+    assert block_bytes[0] / block_bytes[1] < 0.27  # the blocks' weights dominate what they send
+
+
+@pytest.mark.parametrize(
+    "policy, reason",
+    [
+        (fp8fx.Policy.from_recipe("delayed"), "defaults: delayed scaling casts with the scale of its amax history"),
+        (fp8fx.Policy.from_recipe("rowwise"), "defaults: rowwise weight scales would quantize the gathered FP8 weight a second time"),
+        (fp8fx.Policy.from_recipe("blockwise"), "defaults: blockwise weight scales"),
+        (fp8fx.Policy(rules=(fp8fx.Rule(match="*", gemms={"output": "high", "grad_input": "high"}),)), "the weight's GEMMs (output, grad_input) are high"),
+    ],
+    ids=["delayed", "rowwise", "blockwise", "weight-gemms-high"],
+)
+def test_fp8_all_gather_decides_every_linear_with_a_reason(policy, reason):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 24))
+    decisions = enable_fp8_all_gather(model, policy)
+    assert [d.name for d in decisions] == ["0", "1"] and not any(d.fp8 for d in decisions)
+    assert reason in decisions[0].reason
+    assert "weight shape (24, 64) is not a multiple of 16" in decisions[1].reason or reason in decisions[1].reason
+    assert all(type(m.weight) is torch.nn.Parameter and type(m.weight.data) is torch.Tensor for m in model)
+
+
+def test_fp8_all_gather_round_trip_is_exact_for_the_graph_cast():
+    """One rank's pre/post all-gather: the dequantized weight, cast again by the graph's
+    tensorwise cast, gives back the very FP8 values that were sent."""
+    from fp8fx.formats import saturating_cast
+    from fp8fx.scaling import amax_to_scale, tensor_amax
+
+    class OneRank:
+        def size(self) -> int:
+            return 1
+
+    model = torch.nn.Linear(96, 48, bias=False)
+    (decision,) = enable_fp8_all_gather(model)
+    weight = model.weight.data
+    assert decision.fp8 and isinstance(weight, fp8fx.distributed.Fp8AllGatherWeight)
+    (sent,), meta = weight.fsdp_pre_all_gather(OneRank(), weight.shape, weight.stride(), model, None)
+    assert sent.dtype == torch.uint8 and sent.shape == (48, 96)
+    gathered, _ = weight.fsdp_post_all_gather((sent,), meta, torch.float32)
+    e4m3 = fp8fx.Fp8Format.E4M3
+    recast = saturating_cast(gathered * amax_to_scale(tensor_amax(gathered), e4m3.max), e4m3)
+    assert torch.equal(recast.view(torch.uint8), sent)
+    assert torch.allclose(gathered, weight._tensor, rtol=2**-3)  # E4M3: 3 mantissa bits
+    assert enable_fp8_all_gather(model)[0].reason == "already gathered in FP8"  # a second call keeps it
+
+
+class _Sharded(torch.Tensor):  # stands for FSDP2's DTensor: a weight already sharded
+    pass
+
+
+def test_fp8_all_gather_after_fully_shard_is_refused():
+    model = torch.nn.Linear(16, 16)
+    model.weight = torch.nn.Parameter(torch.randn(16, 16).as_subclass(_Sharded))
+    with pytest.raises(ValueError, match=r"^fp8fx: 0.weight is a _Sharded; call enable_fp8_all_gather before fully_shard$"):
+        enable_fp8_all_gather(torch.nn.Sequential(model))
