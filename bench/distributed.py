@@ -1,0 +1,183 @@
+"""Distributed: bytes each rank communicates per training step, and what it holds, under FSDP2 and
+DDP on 2 gloo ranks (CPU), for fp32, BF16 mixed precision, fp8fx, and fp8fx with FP8 all-gather.
+
+Run: python bench/distributed.py [--layers 2 --dim 256 --seq 64 --batch 8 --steps 3]
+Per run and rank, over the last step: bytes put into all-gathers (FSDP2's parameter gathers),
+reduce-scatters (FSDP2's gradients) and all-reduces (DDP's gradients), counted where FSDP2 and
+DDP hand them to the collective; bytes saved for backward (saved-tensor hooks, distinct storages,
+parameters not counted); and the rank's parameter, gradient and AdamW state bytes (its shards).
+fp8fx runs use the tensorwise recipe with lm_head high.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+import fp8fx
+from fp8fx.demo import TinyTransformer
+from fp8fx.distributed import enable_fp8_all_gather
+
+WORLD = 2
+POLICY = fp8fx.Policy.from_recipe("tensorwise", rules=(fp8fx.Rule(match="lm_head", precision="high"),))
+# name: (engine, fp8fx, FSDP2 param dtype, FP8 all-gather)
+RUNS = {
+    "FSDP2 fp32": ("fsdp", False, None, False),
+    "FSDP2 bf16 params": ("fsdp", False, torch.bfloat16, False),
+    "FSDP2 fp8fx": ("fsdp", True, None, False),
+    "FSDP2 fp8fx bf16 params": ("fsdp", True, torch.bfloat16, False),
+    "FSDP2 fp8fx FP8 all-gather": ("fsdp", True, None, True),
+    "FSDP2 fp8fx FP8 all-gather, bf16 params": ("fsdp", True, torch.bfloat16, True),
+    "DDP fp32": ("ddp", False, None, False),
+    "DDP fp8fx": ("ddp", True, None, False),
+}
+
+
+class Counter:
+    def __init__(self):
+        self.bytes = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+
+
+class CountingAllGather(DefaultAllGather):
+    def __init__(self, counter: Counter):
+        self.counter = counter
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):  # noqa: ANN001
+        self.counter.bytes["all_gather"] += input_tensor.numel() * input_tensor.element_size()
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class CountingReduceScatter(DefaultReduceScatter):
+    def __init__(self, counter: Counter):
+        self.counter = counter
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001
+        self.counter.bytes["reduce_scatter"] += input_tensor.numel() * input_tensor.element_size()
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+def counting_allreduce_hook(counter: Counter):
+    def hook(state, bucket):  # noqa: ANN001 - DDP's comm hook signature
+        buffer = bucket.buffer()
+        counter.bytes["all_reduce"] += buffer.numel() * buffer.element_size()
+        buffer.div_(WORLD)
+        return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+    return hook
+
+
+def parameter_storages(model: torch.nn.Module) -> set[int]:
+    found = set()
+    for p in model.parameters():
+        p = p.to_local() if hasattr(p, "to_local") else p
+        p = getattr(p, "_tensor", p)
+        if p.untyped_storage().nbytes():
+            found.add(p.untyped_storage().data_ptr())
+    return found
+
+
+def local_bytes(tensors) -> int:  # noqa: ANN001
+    total = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        t = getattr(t, "_tensor", t)  # an FP8 all-gather weight holds its high-precision shard
+        total += t.numel() * t.element_size()
+    return total
+
+
+def run(name: str, rank: int, args) -> dict:
+    engine, use_fp8fx, param_dtype, fp8_gather = RUNS[name]
+    torch.manual_seed(0)
+    model = TinyTransformer(dim=args.dim, layers=args.layers, max_seq=args.seq)
+    counter = Counter()
+    backend = fp8fx.backend(policy=POLICY, inner="eager") if use_fp8fx else None
+    if engine == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model)
+        ddp.register_comm_hook(None, counting_allreduce_hook(counter))
+        step_model = torch.compile(ddp, backend=backend) if backend else ddp
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if fp8_gather:
+            enable_fp8_all_gather(model, POLICY)
+        mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        for module in [*model.blocks, model.lm_head, model]:
+            if backend is not None and module is not model:
+                module.compile(backend=backend)
+            fully_shard(module, mp_policy=mp_policy)
+            module.set_custom_all_gather(CountingAllGather(counter))
+            module.set_custom_reduce_scatter(CountingReduceScatter(counter))
+        step_model = model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    saved = 0
+    for step in range(args.steps):
+        counter.bytes = dict.fromkeys(counter.bytes, 0)
+        g = torch.Generator().manual_seed(step)
+        data = torch.randint(0, 256, (args.batch, args.seq + 1), generator=g)
+        x, y = data[rank :: WORLD, :-1], data[rank :: WORLD, 1:]
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor):
+            # parameters (FSDP2 swaps in the unsharded ones while a unit runs) are alive anyway
+            if t.untyped_storage().data_ptr() not in parameter_storages(model):
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = F.cross_entropy(step_model(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        saved = sum(seen.values())
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return {**counter.bytes, "saved": saved, "params": local_bytes(model.parameters()), "grads": local_bytes(grads), "adamw": local_bytes(state)}
+
+
+def worker(rank: int, store: str, out: str, args) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        for name in RUNS:
+            torch._dynamo.reset()
+            torch.save(run(name, rank, args), Path(out) / f"{list(RUNS).index(name)}-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for flag, default in (("--layers", 2), ("--dim", 256), ("--seq", 64), ("--batch", 8), ("--steps", 3)):
+        ap.add_argument(flag, type=int, default=default)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(worker, args=(str(Path(out) / "store"), out, args), nprocs=WORLD, join=True, start_method="spawn")
+        results = {name: [torch.load(Path(out) / f"{i}-{r}.pt") for r in range(WORLD)] for i, name in enumerate(RUNS)}
+    kib = 1024
+    print(f"per rank, last of {args.steps} steps; {args.layers} layers, dim {args.dim}, {args.batch} x {args.seq} tokens over {WORLD} ranks (KiB)")
+    print(f"{'run':42s} {'all-gather':>10s} {'reduce-sc.':>10s} {'all-reduce':>10s} {'comm total':>10s} {'vs fp32':>7s} {'vs bf16':>7s} {'saved bw':>9s} {'params':>8s} {'grads':>8s} {'adamw':>8s}")
+    totals = {name: sum(r[0][k] for k in ("all_gather", "reduce_scatter", "all_reduce")) for name, r in results.items()}
+    for name, ranks in results.items():
+        r = ranks[0]
+        base = totals["DDP fp32" if name.startswith("DDP") else "FSDP2 fp32"]
+        bf16 = totals.get("FSDP2 bf16 params") if name.startswith("FSDP2") else None
+        vs_bf16 = f"{totals[name] / bf16:7.2f}" if bf16 else f"{'-':>7s}"
+        cells = [r["all_gather"], r["reduce_scatter"], r["all_reduce"], totals[name]]
+        print(f"{name:42s} " + " ".join(f"{c / kib:10.1f}" for c in cells) + f" {totals[name] / base:7.2f} {vs_bf16} {r['saved'] / kib:9.1f} {r['params'] / kib:8.1f} {r['grads'] / kib:8.1f} {r['adamw'] / kib:8.1f}")
+    ag = {name: results[name][0]["all_gather"] for name in ("FSDP2 bf16 params", "FSDP2 fp8fx FP8 all-gather, bf16 params")}
+    print(f"\nFP8 all-gather vs BF16 all-gather: x{ag['FSDP2 fp8fx FP8 all-gather, bf16 params'] / ag['FSDP2 bf16 params']:.2f} bytes")
+
+
+if __name__ == "__main__":
+    main()
