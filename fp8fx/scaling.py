@@ -82,6 +82,6 @@ def amax_to_scale(amax: Tensor, fp8_max: float, margin: int = 0, power_of_two: b
     safe_amax = torch.where(usable, amax, torch.ones_like(amax))
     # Tiny amax would give an inf scale; clamp to the largest finite fp32.
     scale = (fp8_max / (2.0**margin) / safe_amax).to(torch.float32).clamp(max=_FP32_MAX)
-    if power_of_two:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    if power_of_two:  # drop the mantissa bits (as the kernels do): log2/exp2 would round 2**128 - eps up to inf
+        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
     return torch.where(usable, scale, torch.ones_like(scale))

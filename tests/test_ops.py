@@ -45,6 +45,21 @@ def test_amax_to_scale_is_never_zero_inf_or_nan(amax, expected):
     assert scale.item() == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("amax,expected", [(1.0, 256.0), (448.0, 1.0), (449.0, 0.5), (1e-44, 2.0**127), (2.14e-42, 2.0**127)])
+def test_power_of_two_scale_rounds_down_and_stays_finite(amax, expected):
+    """A denormal amax (seen in rowwise gradients) once made log2/exp2 round up to an inf scale."""
+    assert ops.amax_to_scale(torch.tensor(amax), E4M3.max, 0, True).item() == expected
+
+
+def test_power_of_two_scales_over_the_whole_fp32_range():
+    g = torch.Generator().manual_seed(0)
+    amax = torch.exp(torch.empty(10_000).uniform_(-103.0, 88.0, generator=g))  # denormals up to near fp32 max
+    exact = ops.amax_to_scale(amax, E4M3.max, 0, False)
+    pow2 = ops.amax_to_scale(amax, E4M3.max, 0, True)
+    assert torch.isfinite(pow2).all() and (pow2 <= exact).all() and (pow2 > exact / 2).all()
+    assert torch.equal(torch.frexp(pow2).mantissa, torch.full_like(pow2, 0.5))  # exact powers of two
+
+
 def test_margin_halves_the_scale_per_step():
     amax = torch.tensor(2.0)
     assert ops.amax_to_scale(amax, 448.0, 2, False).item() == pytest.approx(448.0 / 2 / 4)
