@@ -1,4 +1,6 @@
-"""fp8fx with PyTorch's own distributed engines: FP8 all-gather of weights under FSDP2.
+"""fp8fx with PyTorch's own distributed engines: FP8 all-gather of weights under FSDP2, FP8
+gradient reduction for FSDP2 (a reduce-scatter) and DDP (a comm hook), and MS-AMP's precision
+levels built from them (`shard_with_level`, `ddp_with_level`).
 
 `enable_fp8_all_gather(model, policy)` is called before `fully_shard`. It wraps the weight of
 every `nn.Linear` whose FP8 GEMMs cast the weight with dynamic tensorwise scaling in
@@ -21,8 +23,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fp8fx.formats import Fp8Format, saturating_cast
+from fp8fx.scaling import block_amax
 from fp8fx.passes.assign_precision import ALIGN
-from fp8fx.policy import Policy, Precision, Scaling, Granularity, load_policy
+from fp8fx.optim import Fp8AdamW
+from fp8fx.policy import Granularity, Level, Policy, Precision, Scaling, load_policy
 from fp8fx.scaling import amax_to_scale, tensor_amax
 
 # Ops FSDP2 uses to shard, pad and copy a parameter: their results stay wrapped. Everything else
@@ -167,3 +171,147 @@ def enable_fp8_all_gather(model: nn.Module, policy: Policy | str | None = None) 
         module.weight = nn.Parameter(Fp8AllGatherWeight(module.weight.data, scaling), requires_grad=module.weight.requires_grad)
         decisions.append(AllGatherDecision(name, True, f"{scaling.fmt.value}, tensorwise scale from the amax over the group"))
     return decisions
+
+
+# FP8 gradient reduction. Gradients are quantized to E4M3 in blocks of GRAD_BLOCK elements of the
+# flat buffer (one fp32 scale each: 1.6% on top of the FP8 bytes), so a block never mixes the range
+# of two tensors by much and no scale has to agree across ranks: each rank dequantizes what it
+# receives with the sender's scales and sums in fp32. A reduce-scatter is an all-to-all of FP8
+# chunks; an all-reduce adds an all-gather of the reduced chunks, re-quantized.
+GRAD_BLOCK = 256
+GRAD_FORMAT = Fp8Format.E4M3
+
+
+def _quantize_blocks(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, C] -> FP8 bytes [R, C'] and scales [R, C' / GRAD_BLOCK], C' = C rounded up to a block."""
+    pad = -rows.shape[1] % GRAD_BLOCK
+    if pad:
+        rows = torch.nn.functional.pad(rows, (0, pad))
+    scale = amax_to_scale(block_amax(rows.float(), (1, GRAD_BLOCK)), GRAD_FORMAT.max)
+    blocks = rows.float().view(rows.shape[0], -1, GRAD_BLOCK) * scale.unsqueeze(-1)
+    return saturating_cast(blocks, GRAD_FORMAT).view(torch.uint8).view(rows.shape), scale
+
+
+def _dequantize_blocks(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    blocks = data.view(GRAD_FORMAT.dtype).float().view(data.shape[0], -1, GRAD_BLOCK)
+    return (blocks / scale.unsqueeze(-1)).view(data.shape)
+
+
+class Fp8GradientComm:
+    """Reduce-scatter and all-reduce of fp32/bf16 gradient buffers with FP8 on the wire.
+    `bytes_sent` counts what this rank put into collectives."""
+
+    def __init__(self):
+        self.bytes_sent = 0
+
+    def _exchange(self, chunks: torch.Tensor, group) -> torch.Tensor:  # noqa: ANN001
+        """Sum over ranks of chunk r of every rank's [W, S] buffer, on rank r (fp32, padded)."""
+        data, scale = _quantize_blocks(chunks)
+        data_in, scale_in = torch.empty_like(data), torch.empty_like(scale)
+        dist.all_to_all_single(data_in, data, group=group)
+        dist.all_to_all_single(scale_in, scale, group=group)
+        self.bytes_sent += data.numel() + scale.numel() * scale.element_size()
+        return _dequantize_blocks(data_in, scale_in).sum(0)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group, average: bool) -> None:  # noqa: ANN001, A002
+        world = group.size()
+        total = self._exchange(input.view(world, -1), group)[: output.numel()]
+        output.copy_(total.div_(world) if average else total)
+
+    def all_reduce(self, buffer: torch.Tensor, group, average: bool) -> None:  # noqa: ANN001
+        world = group.size()
+        flat = torch.nn.functional.pad(buffer.view(-1), (0, -buffer.numel() % world))
+        mine = self._exchange(flat.view(world, -1), group)
+        if average:
+            mine.div_(world)
+        data, scale = _quantize_blocks(mine.unsqueeze(0))
+        all_data = data.new_empty(world, *data.shape[1:])
+        all_scale = scale.new_empty(world, *scale.shape[1:])
+        dist.all_gather_single(all_data, data, group=group)
+        dist.all_gather_single(all_scale, scale, group=group)
+        self.bytes_sent += data.numel() + scale.numel() * scale.element_size()
+        reduced = _dequantize_blocks(all_data, all_scale)[:, : flat.numel() // world].reshape(-1)
+        buffer.view(-1).copy_(reduced[: buffer.numel()])
+
+
+class Fp8ReduceScatter:
+    """FSDP2's gradient reduce-scatter in FP8: `module.set_custom_reduce_scatter(Fp8ReduceScatter())`
+    after `fully_shard(module)`. Sharded gradients keep FSDP2's reduce dtype."""
+
+    def __init__(self, comm: Fp8GradientComm | None = None):
+        self.comm = comm or Fp8GradientComm()
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:  # noqa: ANN001
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):  # noqa: ANN001 - FSDP2's signature
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            raise NotImplementedError(f"fp8fx: FP8 reduce-scatter supports SUM and AVG, not {op} (FSDP2's gradient divide factor)")
+        self.comm.reduce_scatter(output_tensor, input_tensor, group, average=op == dist.ReduceOp.AVG)
+        return None
+
+
+def fp8_allreduce_hook(comm: Fp8GradientComm, bucket):  # noqa: ANN001, ANN201 - DDP checks the annotations as objects
+    """DDP's gradient all-reduce (averaged, as DDP's own) in FP8:
+    `ddp.register_comm_hook(Fp8GradientComm(), fp8_allreduce_hook)`."""
+    buffer = bucket.buffer()
+    comm.all_reduce(buffer, dist.group.WORLD, average=True)
+    future = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+# MS-AMP's precision levels, on PyTorch's engines.
+@dataclass
+class LevelSetup:
+    """What a precision level set up: the gradient communicator (its `bytes_sent`), the FP8
+    all-gather decisions (O3), and the optimizer the level trains with."""
+
+    level: Level
+    comm: Fp8GradientComm
+    all_gather: list[AllGatherDecision]
+
+    def optimizer(self, params, **kwargs: Any) -> torch.optim.Optimizer:  # noqa: ANN001
+        """AdamW for O1; `Fp8AdamW` (FP8 first moment, FP16 second) for O2 and O3."""
+        return torch.optim.AdamW(params, **kwargs) if self.level is Level.O1 else Fp8AdamW(params, **kwargs)
+
+
+def _level_of(policy: Policy) -> Level:
+    if policy.level is None:
+        raise ValueError("fp8fx: the policy sets no `level`; add `level: O1|O2|O3` at its top level")
+    return policy.level
+
+
+def shard_with_level(model: nn.Module, units: list[nn.Module], policy: Policy) -> LevelSetup:
+    """`fully_shard` each of `units` (the repeated blocks, ...) and then `model` with FSDP2, at the
+    policy's level: O1 and O2 gather weights as FP16 compute copies and reduce gradients in FP8
+    (the sharded masters keep their dtype); O3 also stores the sharded master weights in FP16 and
+    all-gathers the linears' weights in FP8. Compile the units with fp8fx before or after."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    level = _level_of(policy)
+    decisions = []
+    if level is Level.O3:  # FSDP2 wants one dtype per unit: every master weight in FP16
+        model.to(torch.float16)
+        decisions = enable_fp8_all_gather(model, policy)
+    comm = Fp8GradientComm()
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    for module in [*units, model]:
+        fully_shard(module, mp_policy=mp_policy)
+        module.set_custom_reduce_scatter(Fp8ReduceScatter(comm))
+    return LevelSetup(level, comm, decisions)
+
+
+def ddp_with_level(model: nn.Module, policy: Policy, **ddp_kwargs: Any) -> tuple[nn.Module, LevelSetup]:
+    """`DistributedDataParallel(model)` at the policy's level: gradients all-reduced in FP8 (O1, O2),
+    `Fp8AdamW` from `setup.optimizer` (O2). Weights keep their dtype (no master copy to keep them
+    in); O3 shards master weights and needs FSDP2 (`shard_with_level`)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    level = _level_of(policy)
+    if level is Level.O3:
+        raise ValueError("fp8fx: level O3 keeps sharded FP16 master weights and FP8 weight all-gathers: use FSDP2 (fp8fx.distributed.shard_with_level)")
+    ddp = DistributedDataParallel(model, **ddp_kwargs)
+    comm = Fp8GradientComm()
+    ddp.register_comm_hook(comm, fp8_allreduce_hook)
+    return ddp, LevelSetup(level, comm, [])

@@ -53,6 +53,16 @@ class AmaxComputeAlgo(str, Enum):
     MOST_RECENT = "most_recent"
 
 
+class Level(str, Enum):
+    """MS-AMP's precision levels for data-parallel training (fp8fx.distributed): O1 reduces weight
+    gradients in FP8 and computes with FP16 weights; O2 adds AdamW with an FP8 first and an FP16
+    second moment; O3 adds FP8 weight all-gather and FP16 master weights (FSDP2 only)."""
+
+    O1 = "O1"
+    O2 = "O2"
+    O3 = "O3"
+
+
 class Granularity(str, Enum):
     """One scale per tensor; per row/column along the contraction dim (torchao's axiswise); or
     DeepSeek-V3's blocks (1x128 activations and gradients, 128x128 weights)."""
@@ -67,10 +77,11 @@ def _enum(enum_type: type[Enum], value: Any, key_path: str) -> Any:
         return value
     allowed = "|".join(e.value for e in enum_type)
     if isinstance(value, str):
-        try:
-            return enum_type(value.lower())
-        except ValueError:
-            pass
+        for spelling in (value.lower(), value.upper()):  # levels are upper case (O1), everything else lower
+            try:
+                return enum_type(spelling)
+            except ValueError:
+                pass
     raise PolicyError(key_path, f"expected {allowed}, got {value!r}")
 
 
@@ -279,6 +290,7 @@ class Policy:
     source: str | None = None  # file it came from, for messages
     recipe: str | None = None  # the named recipe `defaults` was built from, if any
     shadow: Shadow | None = None  # shadow high-precision checks (off: None)
+    level: Level | None = None  # MS-AMP precision level for data-parallel training (off: None)
 
     @classmethod
     def from_recipe(cls, name: str, rules: tuple[Rule, ...] = (), **overrides: Any) -> Policy:
@@ -287,6 +299,8 @@ class Policy:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", tuple(self.rules))
+        if self.level is not None:
+            object.__setattr__(self, "level", _enum(Level, self.level, "level"))
         for i, rule in enumerate(self.rules):
             if not isinstance(rule, Rule):
                 raise PolicyError(f"rules[{i}]", f"expected a Rule, got {type(rule).__name__}")
@@ -356,12 +370,14 @@ class Policy:
             out["rules"].append(r)
         if self.shadow is not None:
             out["shadow"] = {"every": self.shadow.every, "tolerance_db": self.shadow.tolerance_db, "patience": self.shadow.patience}
+        if self.level is not None:
+            out["level"] = self.level.value
         return out
 
 
 # ---------------------------------------------------------------- YAML decoding
 
-_TOP_KEYS = {"version", "recipe", "defaults", "rules", "shadow"}
+_TOP_KEYS = {"version", "recipe", "defaults", "rules", "shadow", "level"}
 _SHADOW_KEYS = {f.name for f in fields(Shadow)}
 _SETTINGS_KEYS = {f.name for f in fields(Settings)}
 _RULE_KEYS = {f.name for f in fields(Rule)}
@@ -447,7 +463,10 @@ class _Decoder:
         if "shadow" in top:
             items = self.mapping(top["shadow"], "shadow", _SHADOW_KEYS)
             shadow = self.checked(top["shadow"], "shadow", lambda: Shadow(**{k: self.value(v) for k, v in items.items()}))
-        return self.checked(root, "<root>", lambda: Policy(defaults=defaults, rules=tuple(rules), source=self.source, recipe=recipe, shadow=shadow))
+        level = self.value(top["level"]) if "level" in top else None
+        return self.checked(
+            root, "<root>", lambda: Policy(defaults=defaults, rules=tuple(rules), source=self.source, recipe=recipe, shadow=shadow, level=level)
+        )
 
     def settings(self, node: yaml.Node | None, key_path: str, recipe: str | None) -> Settings:
         """`defaults`: the recipe's settings (if any), with the keys given here on top."""

@@ -151,7 +151,8 @@ def test_single_gemm_override(alias, role, prec, base):
 
 # (text, key_path, line, message fragment)
 BAD_FILES = {
-    "unknown_top_key": ("version: 1\nrulez: []\n", "rulez", 2, "unknown key; expected one of defaults, recipe, rules, shadow, version"),
+    "unknown_top_key": ("version: 1\nrulez: []\n", "rulez", 2, "unknown key; expected one of defaults, level, recipe, rules, shadow, version"),
+    "bad_level": ("version: 1\nrecipe: tensorwise\nlevel: O4\n", "level", 3, "expected O1|O2|O3, got 'O4'"),
     "unknown_rule_key": ("version: 1\nrules:\n  - match: x\n    granularty: tensorwise\n", "rules[0].granularty", 4, "unknown key"),
     "enum_defaults": ("version: 1\ndefaults:\n  format: e4m3\n  granularity: row\n", "defaults.granularity", 4,
                       "expected tensorwise|rowwise|blockwise, got 'row'"),
@@ -260,3 +261,10 @@ def test_cli_validate_bad(tmp_path, text, expected):
     err = _stderr(result).strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: " + expected.format(path=path))
     assert "valid." not in result.output
+
+
+@pytest.mark.parametrize("spelling", ["O2", "o2"])
+def test_precision_level_is_a_top_level_key(spelling):
+    policy = fp8fx.policy_from_yaml(f"version: 1\nlevel: {spelling}\n")
+    assert policy.level is fp8fx.policy.Level.O2 and policy.to_dict()["level"] == "O2"
+    assert fp8fx.policy_from_yaml("version: 1\n").level is None
