@@ -1,5 +1,6 @@
 """Distributed: bytes each rank communicates per training step, and what it holds, under FSDP2 and
-DDP on 2 gloo ranks (CPU), for fp32, BF16 mixed precision, fp8fx, and fp8fx with FP8 all-gather.
+DDP on 2 gloo ranks (CPU), for fp32, BF16 mixed precision, fp8fx, fp8fx with FP8 all-gather, and
+each MS-AMP precision level (O1-O3).
 
 Run: python bench/distributed.py [--layers 2 --dim 256 --seq 64 --batch 8 --steps 3]
 Per run and rank, over the last step: bytes put into all-gathers (FSDP2's parameter gathers),
@@ -12,6 +13,7 @@ fp8fx runs use the tensorwise recipe with lm_head high.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
@@ -24,20 +26,25 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 
 import fp8fx
 from fp8fx.demo import TinyTransformer
-from fp8fx.distributed import enable_fp8_all_gather
+from fp8fx.distributed import ddp_with_level, enable_fp8_all_gather, shard_with_level
 
 WORLD = 2
 POLICY = fp8fx.Policy.from_recipe("tensorwise", rules=(fp8fx.Rule(match="lm_head", precision="high"),))
-# name: (engine, fp8fx, FSDP2 param dtype, FP8 all-gather)
+# name: (engine, fp8fx, FSDP2 param dtype, FP8 all-gather, precision level)
 RUNS = {
-    "FSDP2 fp32": ("fsdp", False, None, False),
-    "FSDP2 bf16 params": ("fsdp", False, torch.bfloat16, False),
-    "FSDP2 fp8fx": ("fsdp", True, None, False),
-    "FSDP2 fp8fx bf16 params": ("fsdp", True, torch.bfloat16, False),
-    "FSDP2 fp8fx FP8 all-gather": ("fsdp", True, None, True),
-    "FSDP2 fp8fx FP8 all-gather, bf16 params": ("fsdp", True, torch.bfloat16, True),
-    "DDP fp32": ("ddp", False, None, False),
-    "DDP fp8fx": ("ddp", True, None, False),
+    "FSDP2 fp32": ("fsdp", False, None, False, None),
+    "FSDP2 bf16 params": ("fsdp", False, torch.bfloat16, False, None),
+    "FSDP2 fp8fx": ("fsdp", True, None, False, None),
+    "FSDP2 fp8fx bf16 params": ("fsdp", True, torch.bfloat16, False, None),
+    "FSDP2 fp8fx FP8 all-gather": ("fsdp", True, None, True, None),
+    "FSDP2 fp8fx FP8 all-gather, bf16 params": ("fsdp", True, torch.bfloat16, True, None),
+    "FSDP2 fp8fx O1": ("fsdp", True, None, False, "O1"),
+    "FSDP2 fp8fx O2": ("fsdp", True, None, False, "O2"),
+    "FSDP2 fp8fx O3": ("fsdp", True, None, False, "O3"),
+    "DDP fp32": ("ddp", False, None, False, None),
+    "DDP fp8fx": ("ddp", True, None, False, None),
+    "DDP fp8fx O1": ("ddp", True, None, False, "O1"),
+    "DDP fp8fx O2": ("ddp", True, None, False, "O2"),
 }
 
 
@@ -93,13 +100,37 @@ def local_bytes(tensors) -> int:  # noqa: ANN001
     return total
 
 
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    total = 0
+    for state in opt.state.values():
+        for t in state.values():
+            if isinstance(t, torch.Tensor):
+                t = t.to_local() if hasattr(t, "to_local") else t
+                total += t.numel() * t.element_size()
+    return total
+
+
 def run(name: str, rank: int, args) -> dict:
-    engine, use_fp8fx, param_dtype, fp8_gather = RUNS[name]
+    engine, use_fp8fx, param_dtype, fp8_gather, level = RUNS[name]
     torch.manual_seed(0)
     model = TinyTransformer(dim=args.dim, layers=args.layers, max_seq=args.seq)
     counter = Counter()
-    backend = fp8fx.backend(policy=POLICY, inner="eager") if use_fp8fx else None
-    if engine == "ddp":
+    policy = dataclasses.replace(POLICY, level=level)
+    backend = fp8fx.backend(policy=policy, inner="eager") if use_fp8fx else None
+    make_optimizer = torch.optim.AdamW
+    setup = None
+    if level is not None:
+        for block in model.blocks:
+            block.compile(backend=backend)
+        if engine == "ddp":
+            step_model, setup = ddp_with_level(model, policy)
+        else:
+            setup = shard_with_level(model, [*model.blocks, model.lm_head], policy)
+            for module in [*model.blocks, model.lm_head, model]:
+                module.set_custom_all_gather(CountingAllGather(counter))
+            step_model = model
+        make_optimizer = setup.optimizer
+    elif engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ddp = DDP(model)
@@ -118,10 +149,11 @@ def run(name: str, rank: int, args) -> dict:
             module.set_custom_all_gather(CountingAllGather(counter))
             module.set_custom_reduce_scatter(CountingReduceScatter(counter))
         step_model = model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = make_optimizer(model.parameters(), lr=1e-3)
     saved = 0
     for step in range(args.steps):
         counter.bytes = dict.fromkeys(counter.bytes, 0)
+        sent_before = setup.comm.bytes_sent if setup else 0
         g = torch.Generator().manual_seed(step)
         data = torch.randint(0, 256, (args.batch, args.seq + 1), generator=g)
         x, y = data[rank :: WORLD, :-1], data[rank :: WORLD, 1:]
@@ -139,9 +171,10 @@ def run(name: str, rank: int, args) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=False)
         saved = sum(seen.values())
-    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+        if setup is not None:  # the level's FP8 gradient reduction counts its own bytes
+            counter.bytes["reduce_scatter" if engine == "fsdp" else "all_reduce"] = setup.comm.bytes_sent - sent_before
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return {**counter.bytes, "saved": saved, "params": local_bytes(model.parameters()), "grads": local_bytes(grads), "adamw": local_bytes(state)}
+    return {**counter.bytes, "saved": saved, "params": local_bytes(model.parameters()), "grads": local_bytes(grads), "adamw": state_bytes(opt)}
 
 
 def worker(rank: int, store: str, out: str, args) -> None:
