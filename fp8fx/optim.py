@@ -21,6 +21,12 @@ from fp8fx.scaling import amax_to_scale, tensor_amax
 _FP16_MAX = torch.finfo(torch.float16).max
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its storage: in-place updates reach the parameter): the moments and
+    their scales are per shard, so no step needs a collective."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _quantize_fp16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = amax_to_scale(tensor_amax(x), _FP16_MAX, margin=1)  # margin: headroom for the next step's growth
     return (x * scale).clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16), scale
@@ -35,7 +41,8 @@ def _quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Fp8AdamW(torch.optim.Optimizer):
     """`torch.optim.AdamW`'s update with the first moment stored in FP8 E4M3 and the second in FP16,
     each with a per-tensor fp32 scale (state keys `exp_avg`, `exp_avg_scale`, `exp_avg_sq`,
-    `exp_avg_sq_scale`, `step`). Parameters and gradients keep their own dtype."""
+    `exp_avg_sq_scale`, `step`). Parameters and gradients keep their own dtype. For a sharded
+    (FSDP2, DTensor) parameter the state holds this rank's shard, scaled on its own."""
 
     def __init__(
         self,
@@ -66,7 +73,8 @@ class Fp8AdamW(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("Fp8AdamW does not support sparse gradients")
                 state = self.state[p]
-                grad = p.grad.float()
+                grad = _local(p.grad).float()
+                p = _local(p)
                 if not state:
                     state["step"] = 0
                     m, v = torch.zeros_like(grad), torch.zeros_like(grad)
