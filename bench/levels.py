@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from convergence import GPT, batch, corpus
 
 import fp8fx
-from convergence import GPT, batch, corpus
 from fp8fx.distributed import ddp_with_level, shard_with_level
 
 WORLD = 2

@@ -23,11 +23,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fp8fx.formats import Fp8Format, saturating_cast
-from fp8fx.scaling import block_amax
-from fp8fx.passes.assign_precision import ALIGN
 from fp8fx.optim import Fp8AdamW
+from fp8fx.passes.assign_precision import ALIGN
 from fp8fx.policy import Granularity, Level, Policy, Precision, Scaling, load_policy
-from fp8fx.scaling import amax_to_scale, tensor_amax
+from fp8fx.scaling import amax_to_scale, block_amax, tensor_amax
 
 # Ops FSDP2 uses to shard, pad and copy a parameter: their results stay wrapped. Everything else
 # (optimizer arithmetic, reductions) sees the plain high-precision tensor.

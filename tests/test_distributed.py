@@ -26,7 +26,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fp8fx
 from fp8fx.demo import TinyTransformer
-from fp8fx.distributed import Fp8GradientComm, Fp8ReduceScatter, ddp_with_level, enable_fp8_all_gather, fp8_allreduce_hook, shard_with_level
+from fp8fx.distributed import (
+    Fp8GradientComm,
+    Fp8ReduceScatter,
+    ddp_with_level,
+    enable_fp8_all_gather,
+    fp8_allreduce_hook,
+    shard_with_level,
+)
 
 WORLD, STEPS, BATCH, SEQ, LR = 2, 3, 8, 16, 0.5
 # (model, recipe, how): how = "compile-wrap" or "wrap-compile"
