@@ -3,7 +3,7 @@ gradient reduction for FSDP2 (a reduce-scatter) and DDP (a comm hook), and MS-AM
 levels built from them (`shard_with_level`, `ddp_with_level`).
 
 `enable_fp8_all_gather(model, policy)` is called before `fully_shard`. It wraps the weight of
-every `nn.Linear` whose FP8 GEMMs cast the weight with dynamic tensorwise scaling in
+every `nn.Linear` whose output and grad_input GEMMs both cast the weight with dynamic tensorwise scaling in
 `Fp8AllGatherWeight`, a tensor subclass that implements FSDP2's all-gather extension: each rank
 casts its shard to FP8 with a scale taken from the amax reduced (max) over the data-parallel
 group, so all ranks use one scale, and 1 byte per element crosses the wire instead of 2 (BF16)
@@ -133,8 +133,9 @@ def _fp8_all_gather_problem(policy: Policy, name: str, module: nn.Linear) -> tup
     s = res.settings
     if op not in s.ops and not res.forced_fp8:
         return f"op {op} is not in defaults.ops", None
-    if s.gemms.output is Precision.HIGH and s.gemms.grad_input is Precision.HIGH:
-        return f"{where}: the weight's GEMMs (output, grad_input) are high precision", None
+    high = [role for role in ("output", "grad_input") if s.gemms[role] is Precision.HIGH]
+    if high:  # a high-precision GEMM must see the weight itself, not its FP8 rounding
+        return f"{where}: the weight's {' and '.join(high)} {'GEMMs run' if len(high) > 1 else 'GEMM runs'} in high precision", None
     if any(dim % ALIGN for dim in module.weight.shape):
         return f"weight shape {tuple(module.weight.shape)} is not a multiple of {ALIGN}: its GEMMs stay high", None
     if s.scaling is not Scaling.DYNAMIC:
@@ -148,8 +149,8 @@ def enable_fp8_all_gather(model: nn.Module, policy: Policy | str | None = None) 
     """Make FSDP2 all-gather the FP8-cast linear weights of `model` in FP8. Call before `fully_shard`.
 
     `policy` is the one the model is compiled with (default: fp8fx's default policy). A weight
-    is gathered in FP8 when its site runs the output or grad_input GEMM in FP8 with dynamic
-    tensorwise scaling; every linear gets a decision with its reason."""
+    is gathered in FP8 when its site runs both GEMMs that read it (output and grad_input) in FP8
+    with dynamic tensorwise scaling; every linear gets a decision with its reason."""
     if policy is None:
         policy = Policy()
     elif isinstance(policy, str):

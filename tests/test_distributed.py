@@ -268,7 +268,7 @@ def test_fsdp2_fp8_all_gather_trains_identically_with_a_quarter_of_the_weight_by
     fp8_weights = {name for name, (gathered, _) in decisions.items() if gathered}
     # every linear got a decision: the blocks' four in FP8, lm_head kept high by the policy's rule
     assert fp8_weights == {f"blocks.{i}.{n}" for i in range(2) for n in ("qkv", "proj", "up", "down")}
-    assert decisions["lm_head"] == (False, "rules[0] (match 'lm_head'): the weight's GEMMs (output, grad_input) are high precision")
+    assert decisions["lm_head"] == (False, "rules[0] (match 'lm_head'): the weight's output and grad_input GEMMs run in high precision")
     for ours, theirs in zip(fp8, base):
         # the graph's own cast of the gathered weight lands on the FP8 values the shard cast made:
         # the same GEMMs, so the same training up to the scale's last bit
@@ -290,9 +290,10 @@ def test_fsdp2_fp8_all_gather_trains_identically_with_a_quarter_of_the_weight_by
         (fp8fx.Policy.from_recipe("delayed"), "defaults: delayed scaling casts with the scale of its amax history"),
         (fp8fx.Policy.from_recipe("rowwise"), "defaults: rowwise weight scales would quantize the gathered FP8 weight a second time"),
         (fp8fx.Policy.from_recipe("blockwise"), "defaults: blockwise weight scales"),
-        (fp8fx.Policy(rules=(fp8fx.Rule(match="*", gemms={"output": "high", "grad_input": "high"}),)), "the weight's GEMMs (output, grad_input) are high"),
+        (fp8fx.Policy(rules=(fp8fx.Rule(match="*", gemms={"output": "high", "grad_input": "high"}),)), "the weight's output and grad_input GEMMs run"),
+        (fp8fx.Policy(rules=(fp8fx.Rule(match="*", gemms={"grad_input": "high"}),)), "rules[0] (match '*'): the weight's grad_input GEMM runs in high"),
     ],
-    ids=["delayed", "rowwise", "blockwise", "weight-gemms-high"],
+    ids=["delayed", "rowwise", "blockwise", "weight-gemms-high", "grad-input-high"],
 )
 def test_fp8_all_gather_decides_every_linear_with_a_reason(policy, reason):
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 24))
