@@ -134,12 +134,13 @@ def plot(rows: list[list], out: Path) -> None:
         curves.setdefault(name, {}).setdefault(int(step), []).append(float(val))
     fig, (ax, gap_ax) = plt.subplots(1, 2, figsize=(13, 5))
     base = {s: statistics.fmean(v) for s, v in curves.get("fp32", {}).items()}
-    for name, by_step in curves.items():
+    for i, (name, by_step) in enumerate(curves.items()):
         steps = sorted(by_step)
         means = [statistics.fmean(by_step[s]) for s in steps]
-        ax.plot(steps, means, label=name)
+        color = f"C{i % 10}"  # one colour per run in both plots
+        ax.plot(steps, means, label=name, color=color)
         if base and name != "fp32":
-            gap_ax.plot(steps, [100 * (m - base[s]) / base[s] for s, m in zip(steps, means) if s in base], label=name)
+            gap_ax.plot(steps, [100 * (m - base[s]) / base[s] for s, m in zip(steps, means) if s in base], label=name, color=color)
     ax.set(xlabel="step", ylabel="validation loss (mean over seeds)", title="Character-level GPT on pydoc topics")
     gap_ax.axhspan(-0.25, 0.25, color="#2ca02c", alpha=0.15, label="target: within 0.25%")
     gap_ax.set(xlabel="step", ylabel="validation loss gap to fp32 (%)", title="Gap to fp32")
