@@ -169,7 +169,8 @@ def test_two_ranks_train_like_one_process(engine_run, case):
     for got in ranks:
         assert got["params"].keys() == expected["params"].keys()
         for n, p in got["params"].items():
-            assert torch.allclose(p, expected["params"][n], rtol=1e-4, atol=1e-5), n
+            # FSDP2 averages in another order: a flipped FP8 rounding moves a parameter by ~4e-5 after 3 steps
+            assert torch.allclose(p, expected["params"][n], rtol=1e-4, atol=1e-4), n
         # delayed scaling: the amaxes are reduced across ranks, so the ranks hold the same
         # scales, the reference's up to reduction order (grad_output ones too: same loss scale)
         assert got["scales"].keys() == expected["scales"].keys()
