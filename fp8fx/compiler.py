@@ -28,7 +28,7 @@ from fp8fx.passes import REWRITE_PASSES, PassContext, run_passes
 from fp8fx.passes.graph_utils import decompose_nodes
 from fp8fx.passes.pipeline import PLANNING_PASSES
 from fp8fx.state import BUFFERS, Fp8State, instance_keys, locate
-from fp8fx.policy import GEMM_ROLES, Policy, load_policy
+from fp8fx.policy import GEMM_ROLES, Policy, as_policy
 from fp8fx.reporting import OpRecord, Report
 from fp8fx.traffic import non_gemm_bytes, saved_activation_bytes
 
@@ -104,13 +104,7 @@ class Fp8fxBackend:
             raise ValueError(f"fp8fx.backend: kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
         self.fuse_epilogues = fuse_epilogues
         self.kernels = kernels
-        if policy is None:
-            policy = Policy()
-        elif isinstance(policy, (str, Path)):
-            policy = load_policy(policy)
-        elif not isinstance(policy, Policy):
-            raise TypeError(f"fp8fx.backend: policy must be a Policy, a path to a YAML file or None, got {type(policy).__name__}")
-        self.policy = policy
+        self.policy = policy = as_policy(policy, "fp8fx.backend")
         self.inner = inner
         self.graphs: list[GraphRecord] = []
         # With inner="eager" and keep_graphs, the rewritten graphs as they run, for inspection:

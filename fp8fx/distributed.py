@@ -15,6 +15,7 @@ the GEMMs see exactly the weights an unsharded run would cast.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,11 +23,11 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fp8fx.formats import Fp8Format, saturating_cast
+from fp8fx.formats import Fp8Format
+from fp8fx.ops import reference
 from fp8fx.optim import Fp8AdamW
 from fp8fx.passes.assign_precision import ALIGN
-from fp8fx.policy import Granularity, Level, Policy, Precision, Scaling, load_policy
-from fp8fx.scaling import amax_to_scale, block_amax, tensor_amax
+from fp8fx.policy import Granularity, Level, Policy, Precision, Scaling, as_policy
 
 # Ops FSDP2 uses to shard, pad and copy a parameter: their results stay wrapped. Everything else
 # (optimizer arithmetic, reductions) sees the plain high-precision tensor.
@@ -95,11 +96,11 @@ class Fp8AllGatherWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):  # noqa: ANN001 - FSDP2's signature
         """Cast this rank's shard to FP8 with the group's scale; send its bytes."""
         s = self._scaling
-        amax = tensor_amax(self._tensor)
+        amax = reference.amax(self._tensor, [])
         if mesh.size() > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
-        scale = amax_to_scale(amax, s.fmt.max, s.margin, s.power_of_two)
-        data = saturating_cast(self._tensor.float() * scale, s.fmt)
+        scale = reference.amax_to_scale(amax, s.fmt.max, s.margin, s.power_of_two)
+        data = reference.cast(self._tensor, scale, s.fmt.dtype, [])
         rows = -(-outer_size[0] // mesh.size())  # FSDP2 pads uneven shards to ceil(rows / world)
         if data.shape[0] != rows:
             data = torch.cat([data, data.new_zeros(rows - data.shape[0], *data.shape[1:])])
@@ -129,7 +130,7 @@ class AllGatherDecision:
 def _fp8_all_gather_problem(policy: Policy, name: str, module: nn.Linear) -> tuple[str | None, AllGatherScaling | None]:
     op = "addmm" if module.bias is not None else "mm"
     res = policy.resolve((name,), op)
-    where = res.source if res.rule_index is None else f"{res.source} (match {policy.rules[res.rule_index].match!r})"
+    where = policy.describe(res)
     s = res.settings
     if op not in s.ops and not res.forced_fp8:
         return f"op {op} is not in defaults.ops", None
@@ -145,16 +146,13 @@ def _fp8_all_gather_problem(policy: Policy, name: str, module: nn.Linear) -> tup
     return None, AllGatherScaling(s.format.operand_format("weight"), s.margin, s.power_of_two_scales)
 
 
-def enable_fp8_all_gather(model: nn.Module, policy: Policy | str | None = None) -> list[AllGatherDecision]:
+def enable_fp8_all_gather(model: nn.Module, policy: Policy | str | Path | None = None) -> list[AllGatherDecision]:
     """Make FSDP2 all-gather the FP8-cast linear weights of `model` in FP8. Call before `fully_shard`.
 
     `policy` is the one the model is compiled with (default: fp8fx's default policy). A weight
     is gathered in FP8 when its site runs both GEMMs that read it (output and grad_input) in FP8
     with dynamic tensorwise scaling; every linear gets a decision with its reason."""
-    if policy is None:
-        policy = Policy()
-    elif isinstance(policy, str):
-        policy = load_policy(policy)
+    policy = as_policy(policy, "fp8fx.distributed.enable_fp8_all_gather")
     decisions = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
@@ -187,9 +185,9 @@ def _quantize_blocks(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     pad = -rows.shape[1] % GRAD_BLOCK
     if pad:
         rows = torch.nn.functional.pad(rows, (0, pad))
-    scale = amax_to_scale(block_amax(rows.float(), (1, GRAD_BLOCK)), GRAD_FORMAT.max)
-    blocks = rows.float().view(rows.shape[0], -1, GRAD_BLOCK) * scale.unsqueeze(-1)
-    return saturating_cast(blocks, GRAD_FORMAT).view(torch.uint8).view(rows.shape), scale
+    block = [1, GRAD_BLOCK]
+    scale = reference.amax_to_scale(reference.amax(rows, block), GRAD_FORMAT.max, 0, False)
+    return reference.cast(rows, scale, GRAD_FORMAT.dtype, block).view(torch.uint8), scale
 
 
 def _dequantize_blocks(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

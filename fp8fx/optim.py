@@ -15,7 +15,8 @@ from collections.abc import Iterable
 
 import torch
 
-from fp8fx.formats import Fp8Format, saturating_cast
+from fp8fx.formats import Fp8Format
+from fp8fx.ops import reference
 from fp8fx.scaling import amax_to_scale, tensor_amax
 
 _FP16_MAX = torch.finfo(torch.float16).max
@@ -34,8 +35,8 @@ def _quantize_fp16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     fmt = Fp8Format.E4M3
-    scale = amax_to_scale(tensor_amax(x), fmt.max)
-    return saturating_cast(x * scale, fmt), scale
+    scale = reference.amax_to_scale(reference.amax(x, []), fmt.max, 0, False)
+    return reference.cast(x, scale, fmt.dtype, []), scale
 
 
 class Fp8AdamW(torch.optim.Optimizer):

@@ -313,6 +313,10 @@ class Policy:
     def uses_delayed_scaling(self) -> bool:
         return self.defaults.scaling is Scaling.DELAYED or any(r.scaling is Scaling.DELAYED for r in self.rules)
 
+    def describe(self, res: Resolution) -> str:
+        """Where a resolution came from, for reasons: "defaults" or "rules[1] (match 'lm_head')"."""
+        return res.source if res.rule_index is None else f"{res.source} (match {self.rules[res.rule_index].match!r})"
+
     def resolve(self, names: tuple[str, ...], op: str) -> Resolution:
         """Settings for a site known by `names` (site name, module FQN) with op kind `op`."""
         for index, rule in enumerate(self.rules):
@@ -381,6 +385,17 @@ _TOP_KEYS = {"version", "recipe", "defaults", "rules", "shadow", "level"}
 _SHADOW_KEYS = {f.name for f in fields(Shadow)}
 _SETTINGS_KEYS = {f.name for f in fields(Settings)}
 _RULE_KEYS = {f.name for f in fields(Rule)}
+
+
+def as_policy(policy: Policy | str | Path | None, caller: str) -> Policy:
+    """A `Policy` from what an API accepts: a Policy, a path to a YAML file, or None (the defaults)."""
+    if policy is None:
+        return Policy()
+    if isinstance(policy, (str, Path)):
+        return load_policy(policy)
+    if not isinstance(policy, Policy):
+        raise TypeError(f"{caller}: policy must be a Policy, a path to a YAML file or None, got {type(policy).__name__}")
+    return policy
 
 
 def load_policy(path: str | Path) -> Policy:

@@ -123,7 +123,7 @@ def decide(site: MatmulSite, gemm: Gemm, ctx: PassContext) -> Decision:
     if (site.name, gemm.role) in ctx.overrides:
         return high(ReasonKind.SHADOW, ctx.overrides[(site.name, gemm.role)])
     res = ctx.policy.resolve(site.names, site.op)
-    where = res.source if res.rule_index is None else f"{res.source} (match {ctx.policy.rules[res.rule_index].match!r})"
+    where = ctx.policy.describe(res)
     if site.op not in res.settings.ops and not res.forced_fp8:
         ops = ", ".join(res.settings.ops)
         return high(ReasonKind.OP_KIND, f"op {site.op} is not in defaults.ops [{ops}]; a rule with precision: fp8 enables it")
