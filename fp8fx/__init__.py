@@ -9,7 +9,7 @@ from fp8fx.analysis import CoverageError, ModelFileError, analyze, assert_covera
 from fp8fx.compiler import Fp8fxBackend, backend, report, stats
 from fp8fx.export import ExportError, ExportResult, export_onnx
 from fp8fx.formats import Fp8Format, FormatRecipe
-from fp8fx.policy import GemmPrecisions, Policy, PolicyError, Precision, Rule, Settings, load_policy, policy_from_yaml
+from fp8fx.policy import FastAccum, GemmPrecisions, Policy, PolicyError, Precision, Rule, Settings, load_policy, policy_from_yaml
 from fp8fx.reporting import OpRecord, Report
 from fp8fx.state import prepare
 
@@ -27,6 +27,7 @@ __all__ = [
     "Fp8Format",
     "Fp8fxBackend",
     "FormatRecipe",
+    "FastAccum",
     "GemmPrecisions",
     "OpRecord",
     "Policy",

@@ -102,6 +102,25 @@ class GemmPrecisions:
 
 
 @dataclass(frozen=True)
+class FastAccum:
+    """Per GEMM, whether Hopper's FP8 tensor cores keep the whole K loop in their reduced-precision
+    accumulator (fast) or promote partial sums to fp32 every 128 of K (TE's split accumulator).
+    TransformerEngine's defaults: fast for fprop, promoted for dgrad and wgrad (whose K, for wgrad
+    the token count, is long). `torch._scaled_mm`'s `use_fast_accum`."""
+
+    output: bool = True
+    grad_input: bool = False
+    grad_weight: bool = False
+
+    def __post_init__(self) -> None:
+        for role in GEMM_ROLES:
+            _bool(getattr(self, role), f"fast_accum.{role}")
+
+    def __getitem__(self, role: str) -> bool:
+        return getattr(self, role)
+
+
+@dataclass(frozen=True)
 class Settings:
     """How FP8 GEMMs run, and which op kinds run in FP8 without a rule saying so."""
 
@@ -118,6 +137,7 @@ class Settings:
     amax_history_len: int = 1024
     amax_compute_algo: AmaxComputeAlgo = AmaxComputeAlgo.MAX
     interval: int = 1  # recompute the scale every `interval` steps
+    fast_accum: FastAccum = field(default_factory=FastAccum)
 
     def __post_init__(self) -> None:
         _bool(self.power_of_two_scales, "power_of_two_scales")
@@ -133,6 +153,10 @@ class Settings:
             object.__setattr__(self, "gemms", GemmPrecisions(**_gemm_overrides(self.gemms, "gemms")))
         elif not isinstance(self.gemms, GemmPrecisions):
             raise PolicyError("gemms", f"expected a mapping of {'|'.join(GEMM_ROLES)} to fp8|high, got {self.gemms!r}")
+        if isinstance(self.fast_accum, dict):
+            object.__setattr__(self, "fast_accum", FastAccum(**_fast_accum_overrides(self.fast_accum, "fast_accum")))
+        elif not isinstance(self.fast_accum, FastAccum):
+            raise PolicyError("fast_accum", f"expected a mapping of {'|'.join(GEMM_ROLES)} to true|false, got {self.fast_accum!r}")
         if self.scaling is Scaling.DELAYED and self.granularity is not Granularity.TENSORWISE:
             raise PolicyError("scaling", f"delayed scaling keeps one scale per tensor; it needs granularity tensorwise, not {self.granularity.value}")
 
@@ -169,6 +193,7 @@ class Rule:
     precision: Precision | None = None
     format: FormatRecipe | None = None
     gemms: dict[str, Precision] | None = None
+    fast_accum: dict[str, bool] | None = None
     granularity: Granularity | None = None
     power_of_two_scales: bool | None = None
     scaling: Scaling | None = None
@@ -197,6 +222,8 @@ class Rule:
             object.__setattr__(self, "precision", _enum(Precision, self.precision, "precision"))
         if self.gemms is not None:
             object.__setattr__(self, "gemms", _gemm_overrides(self.gemms, "gemms"))
+        if self.fast_accum is not None:
+            object.__setattr__(self, "fast_accum", _fast_accum_overrides(self.fast_accum, "fast_accum"))
 
     def matches(self, names: tuple[str, ...], op: str) -> bool:
         if self.op is not None and op not in self.op:
@@ -212,15 +239,29 @@ def _gemm_overrides(value: Any, key_path: str) -> dict[str, Precision]:
         raise PolicyError(key_path, f"expected a mapping of {'|'.join(GEMM_ROLES)} to fp8|high, got {value!r}")
     out: dict[str, Precision] = {}
     for key, prec in value.items():
-        role = TE_GEMM_ALIASES.get(key, key)
-        if role not in GEMM_ROLES:
-            names = "|".join(GEMM_ROLES + tuple(TE_GEMM_ALIASES))
-            raise PolicyError(f"{key_path}.{key}", f"unknown GEMM {key!r}; expected {names}")
-        out[role] = _enum(Precision, prec, f"{key_path}.{key}")
+        out[_role_of(key, key_path)] = _enum(Precision, prec, f"{key_path}.{key}")
     return out
 
 
-# Settings a rule may set directly (all but `gemms`, which merges, and `ops`).
+def _role_of(key: Any, key_path: str) -> str:
+    role = TE_GEMM_ALIASES.get(key, key)
+    if role not in GEMM_ROLES:
+        names = "|".join(GEMM_ROLES + tuple(TE_GEMM_ALIASES))
+        raise PolicyError(f"{key_path}.{key}", f"unknown GEMM {key!r}; expected {names}")
+    return role
+
+
+def _fast_accum_overrides(value: Any, key_path: str) -> dict[str, bool]:
+    if not isinstance(value, dict) or not value:
+        raise PolicyError(key_path, f"expected a mapping of {'|'.join(GEMM_ROLES)} (or fprop|dgrad|wgrad) to true|false, got {value!r}")
+    out: dict[str, bool] = {}
+    for key, fast in value.items():
+        _bool(fast, f"{key_path}.{key}")
+        out[_role_of(key, key_path)] = fast
+    return out
+
+
+# Settings a rule may set directly (all but `gemms` and `fast_accum`, which merge, and `ops`).
 _RULE_SETTINGS = ("format", "granularity", "power_of_two_scales", "scaling", "margin", "amax_history_len", "amax_compute_algo", "interval")
 
 # Named recipes: what each expands to, and whose recipe it reproduces.
@@ -336,7 +377,8 @@ class Policy:
             gemms[role] = prec
             sources[role] = f"{where}.gemms.{role}"
         overrides = {name: getattr(rule, name) for name in _RULE_SETTINGS if getattr(rule, name) is not None}
-        settings = replace(self.defaults, gemms=GemmPrecisions(**gemms), **overrides)
+        fast_accum = replace(self.defaults.fast_accum, **(rule.fast_accum or {}))
+        settings = replace(self.defaults, gemms=GemmPrecisions(**gemms), fast_accum=fast_accum, **overrides)
         return Resolution(settings, index, rule.precision is Precision.FP8, sources)
 
     def to_dict(self) -> dict[str, Any]:
@@ -350,6 +392,7 @@ class Policy:
             "granularity": d.granularity.value,
             "ops": list(d.ops),
             "gemms": {role: d.gemms[role].value for role in GEMM_ROLES},
+            "fast_accum": {role: d.fast_accum[role] for role in GEMM_ROLES},
             "power_of_two_scales": d.power_of_two_scales,
             "margin": d.margin,
             "amax_history_len": d.amax_history_len,
@@ -367,6 +410,8 @@ class Policy:
                 r["format"] = rule.format.value
             if rule.gemms is not None:
                 r["gemms"] = {k: v.value for k, v in rule.gemms.items()}
+            if rule.fast_accum is not None:
+                r["fast_accum"] = dict(rule.fast_accum)
             for name in _RULE_SETTINGS:
                 value = getattr(rule, name)
                 if value is not None:

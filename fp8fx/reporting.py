@@ -61,6 +61,12 @@ class OpRecord:
     # spec), why fusion stopped where it did, and full-tensor memory passes FP8 adds over BF16
     # (amax, cast, transposing copies) and the epilogue saves (each fused elementwise op / amax).
     kernel: str | None = None
+    # What runs the GEMM on a GPU ("triton": the generated kernel; "scaled_mm": torch._scaled_mm
+    # with the epilogue as torch ops) and why (fp8fx.codegen.dispatch), and whether Hopper keeps
+    # its reduced-precision FP8 accumulator for the whole K loop (policy fast_accum).
+    gpu_kernel: str | None = None
+    gpu_kernel_reason: str | None = None
+    fast_accum: bool | None = None
     epilogue: str | None = None
     fusion: str | None = None
     memory_passes_added: int | None = None
@@ -115,6 +121,9 @@ class OpRecord:
             interval=delayed.interval if delayed else None,
             state_keys=meta.get("state_keys") if decision.fp8 else None,
             kernel=meta["variant"].name if "variant" in meta else None,
+            gpu_kernel=meta.get("kernel"),
+            gpu_kernel_reason=meta.get("kernel_reason"),
+            fast_accum=decision.fast_accum if decision.fp8 else None,
             epilogue=meta["epilogue"].spec() if "epilogue" in meta else None,
             fusion=meta.get("fusion_stop"),
             memory_passes_added=meta["memory_passes"][0] if "memory_passes" in meta else None,
@@ -218,6 +227,7 @@ class Report:
             "fallbacks_by_reason": dict(Counter(op.reason_kind for op in self.high_ops)),
             "folded_blocks": self.folded,
             "fused_epilogues": sum(bool(op.epilogue) for op in self.fp8_ops),
+            "gpu_kernels": dict(Counter(op.gpu_kernel for op in self.fp8_ops if op.gpu_kernel)),
             "memory_passes_added": sum(op.memory_passes_added or 0 for op in self.fp8_ops),
             "memory_passes_saved": sum(op.memory_passes_saved or 0 for op in self.fp8_ops),
             "non_finite_amax_events": {op.site + "." + op.role: op.non_finite for op in self.ops if op.non_finite and any(op.non_finite)},
@@ -251,7 +261,7 @@ class Report:
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
-    _COLUMNS = ("graph", "site", "op", "role", "M", "N", "K", "FLOP %", "prec", "formats", "scaling", "epilogue", "passes +/-")
+    _COLUMNS = ("graph", "site", "op", "role", "M", "N", "K", "FLOP %", "prec", "formats", "scaling", "accum", "epilogue", "kernel", "passes +/-")
 
     def columns(self) -> tuple[str, ...]:
         extra = (("fp8/bf16 x",) if self.step else ()) + (("SQNR dB",) if any(op.numerics for op in self.ops) else ())
@@ -273,7 +283,9 @@ class Report:
                 op.precision,
                 "x".join(op.formats) if op.formats else "-",
                 _scaling_text(op),
+                "-" if op.fast_accum is None else ("fast" if op.fast_accum else "split"),
                 op.epilogue or "-" if op.precision == "fp8" else "-",
+                op.gpu_kernel or "-",
                 f"+{op.memory_passes_added}/-{op.memory_passes_saved}" if op.memory_passes_added is not None else "-",
             ]
             if self.step:  # "!": predicted slower in FP8 than BF16
@@ -294,6 +306,9 @@ class Report:
             f"{s['fp8_gemms']}/{s['gemms']} GEMMs in FP8 over {s['graphs']} graph(s); "
             f"FP8 share of GEMM FLOPs: forward {pct(s['fp8_flop_share_forward'])}, backward {pct(s['fp8_flop_share_backward'])}"
         ]
+        if s["gpu_kernels"]:
+            names = {"triton": "generated Triton kernel", "scaled_mm": "torch._scaled_mm"}
+            lines.append("on a GPU: " + ", ".join(f"{v} {names.get(k, k)}" for k, v in sorted(s["gpu_kernels"].items())))
         if s["fallbacks_by_reason"]:
             lines.append("kept high: " + ", ".join(f"{k} {v}" for k, v in sorted(s["fallbacks_by_reason"].items())))
         if s["non_finite_amax_events"]:

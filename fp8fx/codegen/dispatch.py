@@ -1,54 +1,140 @@
-"""CUDA kernels of the fp8fx ops. An `fp8fx::fp8_gemm` node runs the generated Triton kernel
-(default) or PyTorch's `torch._scaled_mm` followed by the epilogue in plain torch
-(`kernels="scaled_mm"`); `fp8fx::cast` runs the Triton cast kernel (one pass)."""
+"""Which kernel runs each FP8 GEMM on a GPU, and the CUDA implementations of the fp8fx ops.
+
+`choose_kernel` decides once per GEMM, when the graph is rewritten, and the report shows the choice
+and its reason. Until a GPU has measured fp8fx's kernels, `kernels="auto"` cannot lose to cuBLAS by
+design: a GEMM whose fused epilogue saves no memory pass runs `torch._scaled_mm`, and the generated
+kernel runs only where fusion saves passes. A measured table (written by `fp8fx selftest` on the
+GPU, one JSON file per device) overrides that from the nearest measured shape of the same variant.
+Without Triton every GEMM runs `torch._scaled_mm`. This module imports no Triton.
+"""
 
 from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import math
+import os
+import re
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from fp8fx.codegen.scaled_mm_cuda import scaled_mm_2d
-from fp8fx.codegen.variants import Epilogue
+from fp8fx.codegen.scaled_mm_cuda import scaled_mm_2d, scaled_mm_supports
+from fp8fx.codegen.variants import Epilogue, GemmVariant
+
+TABLE_FORMAT = 1
 
 
-def _k_major(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """FP8 tensor cores read both operands K-contiguous; other layouts get a transposed copy
-    (a memory pass over the FP8 operand, counted in the report)."""
-    if a.stride(-1) != 1:
-        a = a.contiguous()
-    if b.stride(-2) != 1:
-        b = b.t().contiguous().t()
-    return a, b
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton can be imported here (Linux wheels; not on macOS or Windows)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
-def fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, ep: Epilogue):
+def table_path(device_name: str) -> Path:
+    """Where `fp8fx selftest` writes, and the dispatch reads, the measured table of one GPU model:
+    `$FP8FX_CACHE_DIR` (default `~/.cache/fp8fx`)/dispatch-<device name>.json."""
+    root = Path(os.environ.get("FP8FX_CACHE_DIR", Path.home() / ".cache" / "fp8fx"))
+    return root / f"dispatch-{re.sub(r'[^A-Za-z0-9]+', '-', device_name).strip('-')}.json"
+
+
+def load_table(path: Path) -> list[dict]:
+    """The measured GEMMs of a table file: dicts with variant, m, n, k, generated_ms, scaled_mm_ms
+    (scaled_mm_ms includes the epilogue run as separate torch ops). Raises naming the file and the
+    first bad entry."""
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or data.get("format") != TABLE_FORMAT or not isinstance(data.get("gemms"), list):
+        raise ValueError(f"{path}: not an fp8fx dispatch table (format {TABLE_FORMAT} with a 'gemms' list)")
+    for i, e in enumerate(data["gemms"]):
+        ok = isinstance(e, dict) and isinstance(e.get("variant"), str)
+        ok = ok and all(isinstance(e.get(key), int) and e[key] > 0 for key in ("m", "n", "k"))
+        ok = ok and all(isinstance(e.get(key), (int, float)) and e[key] > 0 for key in ("generated_ms", "scaled_mm_ms"))
+        if not ok:
+            raise ValueError(f"{path}: gemms[{i}] needs variant (str), m, n, k (positive ints), generated_ms and scaled_mm_ms (> 0): {e!r}")
+    return data["gemms"]
+
+
+@functools.cache
+def _device_table(device_index: int) -> tuple[list[dict], str]:
+    path = table_path(torch.cuda.get_device_name(device_index))
+    return (load_table(path), str(path)) if path.exists() else ([], "")
+
+
+def measured_choice(table: list[dict], variant: GemmVariant, shape: tuple) -> tuple[str, str] | None:
+    """The kernel the measurements favour for `variant` at (m, n, k), from the measured shape of the
+    same variant nearest in log-distance; None without one. A dynamic M (None) matches on N and K."""
+    same = [e for e in table if e["variant"] == variant.name]
+    if not same:
+        return None
+
+    def distance(e):
+        return sum(abs(math.log2(e[d] / v)) for d, v in zip("mnk", shape) if isinstance(v, int) and v > 0)
+
+    e = min(same, key=distance)
+    where = f"measured at {e['m']}x{e['n']}x{e['k']}: generated {e['generated_ms']:.3g} ms, torch._scaled_mm {e['scaled_mm_ms']:.3g} ms"
+    return ("triton", where) if e["generated_ms"] <= e["scaled_mm_ms"] else ("scaled_mm", where)
+
+
+def choose_kernel(kernels: str, variant: GemmVariant, shape: tuple, device: torch.device) -> tuple[str, str]:
+    """(kernel, reason): "triton" (the generated kernel) or "scaled_mm" (`torch._scaled_mm`, then the
+    epilogue as torch ops) for one FP8 GEMM of `shape` (m, n, k; m may be None when dynamic)."""
+    if kernels == "scaled_mm":
+        return "scaled_mm", "backend option kernels='scaled_mm'"
+    if not triton_available():
+        if kernels == "triton":
+            raise RuntimeError("fp8fx.backend(kernels='triton') needs Triton, which is not installed here")
+        return "scaled_mm", "Triton is not installed"
+    if kernels == "triton":
+        return "triton", "backend option kernels='triton'"
+    unsupported = scaled_mm_supports(variant)
+    if unsupported:
+        return "triton", f"torch._scaled_mm cannot: {unsupported}"
+    if device.type == "cuda":
+        table, path = _device_table(device.index if device.index is not None else torch.cuda.current_device())
+        measured = measured_choice(table, variant, shape)
+        if measured is not None:
+            return measured[0], f"{measured[1]} ({path})"
+    saved = variant.epilogue.ops() + variant.epilogue.out_amax
+    if saved == 0:
+        return "scaled_mm", "no epilogue to fuse: cuBLAS's GEMM until a measurement favours the generated kernel"
+    return "triton", f"fused epilogue saves {saved} memory pass{'es' if saved > 1 else ''}"
+
+
+def fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, ep: Epilogue, fast_accum: bool):
     from fp8fx.codegen.launch import fp8_gemm
 
-    a, b = _k_major(a, b)
     out, aux, amax = fp8_gemm(
         a, b, scale_inv_a, scale_inv_b, block_a=tuple(block_a), block_b=tuple(block_b), epilogue=ep, bias=bias, other=other,
-        residual=residual, out_scale=out_scale, out_dtype=out_dtype, aux_dtype=aux_dtype,
+        residual=residual, out_scale=out_scale, out_dtype=out_dtype, aux_dtype=aux_dtype, fast_accum=fast_accum,
     )  # fmt: skip
     # Absent outputs are fresh empty tensors (outputs of a custom op may not alias each other).
     aux = aux if aux is not None else out.new_empty(0, dtype=aux_dtype)
     return out, aux, amax if amax is not None else out.new_empty(0, dtype=torch.float32)
 
 
-def fp8_gemm_cuda(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, kernel):
+def fp8_gemm_cuda(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, kernel, fast_accum):
     from fp8fx.ops import reference
 
+    ep = Epilogue.parse(epilogue)
     if kernel == "scaled_mm":  # cuBLASLt GEMM, then the epilogue as separate torch ops
-        return reference.fp8_gemm_epilogue_after(
-            scaled_mm_2d(a, b, scale_inv_a, scale_inv_b, torch.float32, block_a, block_b),
-            bias, other, residual, out_scale, out_dtype, aux_dtype, Epilogue.parse(epilogue),
-        )  # fmt: skip
-    return fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, Epilogue.parse(epilogue))
+        y = scaled_mm_2d(a, b, scale_inv_a, scale_inv_b, torch.float32, block_a, block_b, fast_accum=fast_accum)
+        return reference.fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_dtype, ep)
+    return fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, ep, fast_accum)
 
 
 def cast_cuda(x: Tensor, scale: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:
-    from fp8fx.codegen.launch import cast
     from fp8fx.ops.reference import cast as reference_cast
 
-    if x.dim() < 2 or (x.dim() > 2 and block and block[0] != 1):  # batched blocks (bmm operands): rare
+    if not triton_available() or x.dim() < 2 or (x.dim() > 2 and block and block[0] != 1):  # batched blocks (bmm operands): rare
         return reference_cast(x, scale, dtype, block)
+    from fp8fx.codegen.launch import cast
+
     return cast(x, scale, dtype, tuple(block))

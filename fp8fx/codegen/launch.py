@@ -1,26 +1,29 @@
-"""Launchers for the generated kernels: check every argument, pick a config, run.
+"""Launchers for the generated kernels: one path for every device.
 
-The kernels run on CUDA tensors (autotuned per architecture over M, N, K) or, for debugging and
-CPU tests, on CPU tensors under Triton's interpreter. The interpreter is chosen when Triton
-defines the kernels, so it has to be switched on before fp8fx is imported: `TRITON_INTERPRET=1`.
+A launch is the same code on a GPU and under Triton's interpreter (CPU tensors, tests and
+debugging): lay the operands out as the kernels read them (K-contiguous rows, 16-byte aligned:
+copied when not), check every argument, take the target's autotuner (built once per target, kernel
+family and variant, the same way everywhere), compute a grid within CUDA's limits, launch. Only the
+target differs: a GPU architecture, or "interpreter", whose config list holds one small tile so
+its autotuner never benchmarks. The interpreter is chosen when Triton defines the kernels, so it
+has to be switched on before fp8fx is imported: `TRITON_INTERPRET=1`.
 """
 
 from __future__ import annotations
 
 import functools
-import math
-from dataclasses import replace
 
 import torch
 import triton
 from torch import Tensor
 
 from fp8fx.codegen.triton_kernels import amax_kernel, fp8_gemm_kernel, quantize_kernel
-from fp8fx.codegen.variants import INTERPRETER_CONFIG, Epilogue, GemmVariant, QuantizeVariant, TileConfig, arch_of, configs_for
+from fp8fx.codegen.variants import DEFAULT_FAMILY, GRID_LIMITS, Epilogue, GemmVariant, QuantizeVariant, TileConfig, configs_for, device_target
 from fp8fx.formats import fp8_format_of
 from fp8fx.scaling import scale_shape
 
-_FP_FUSION = dict(enable_fp_fusion=True)  # explicit: Triton warns when left to its default
+ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned bases and row strides; vector loads like them too
+INTERPRETER_SMS = 3  # "SMs" a persistent kernel spreads over under the interpreter (exercises its tile loop)
 
 
 def interpreter_active() -> bool:
@@ -50,13 +53,63 @@ def _scale_strides(scale: Tensor, block: tuple) -> tuple[int, int]:
     return (0, 0) if not block else (scale.stride(-2), scale.stride(-1))
 
 
+def rows_aligned(t: Tensor) -> Tensor:
+    """`t` [rows, k] with unit stride along k, rows 16-byte aligned and not overlapping, as FP8
+    tensor cores and TMA read an operand; a copy into such storage when `t` is not (a transposed,
+    sliced, broadcast or odd-width operand: the weight gradient's K is the token count)."""
+    rows, k = t.shape
+    size = t.element_size()
+    if t.stride(1) == 1 and t.stride(0) >= k and (t.stride(0) * size) % ALIGN == 0 and t.data_ptr() % ALIGN == 0:
+        return t
+    if rows <= 1 and t.stride(1) == 1 and t.data_ptr() % ALIGN == 0:
+        return t  # one row: its stride is never used
+    width = -(-k * size // ALIGN) * ALIGN // size
+    out = torch.empty((rows, width), dtype=t.dtype, device=t.device)[:, :k]
+    return out.copy_(t)
+
+
+def m_bucket(m: int) -> int:
+    """The autotuner's key for M: the next power of two (at least 16). Token counts vary from step to
+    step; N and K are weight dimensions. Keying on M itself would re-benchmark every new sequence length."""
+    return max(16, 1 << max(m - 1, 0).bit_length())
+
+
+def gemm_grid(m: int, n: int, config: TileConfig, family: str, sms: int) -> tuple[int]:
+    """Programs of one launch: a program per output tile (pointer), or at most one per SM looping
+    over tiles (tma, persistent). Checked against CUDA's grid limit."""
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    programs = tiles if family == "pointer" else min(sms, tiles)
+    if programs > GRID_LIMITS[0]:
+        raise ValueError(f"fp8fx FP8 GEMM: {m} x {n} needs {programs} tiles of {config.block_m} x {config.block_n}, over CUDA's grid limit")
+    return (programs,)
+
+
+def _kernel(family: str):
+    """(kernel, config pre-hook): TMA descriptors take their block shape from the chosen config."""
+    if family == "pointer":
+        return fp8_gemm_kernel, None
+    from fp8fx.codegen.tma_kernel import fp8_gemm_tma_kernel, set_block_shapes
+
+    return fp8_gemm_tma_kernel, set_block_shapes
+
+
 @functools.cache
-def _autotuned(arch: str, variant: GemmVariant):
-    """One autotuner per variant and GPU, over that variant's configs, keyed on M, N, K."""
+def autotuner(target: str, family: str, variant: GemmVariant):
+    """The autotuner of one variant on one target: over the target's configs for it, keyed on
+    (M bucket, N, K). The same construction serves GPUs and the interpreter."""
+    kernel, pre_hook = _kernel(family)
     configs = [
-        triton.Config(c.constexprs(), num_warps=c.num_warps, num_stages=c.num_stages, **_FP_FUSION) for c in configs_for(arch, variant)
+        triton.Config(c.constexprs(), num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=pre_hook) for c in configs_for(target, variant, family)
     ]
-    return triton.autotune(configs=configs, key=["M", "N", "K"])(fp8_gemm_kernel)
+    if not configs:
+        raise ValueError(f"fp8fx: no {family} tile config of {target} fits variant {variant.name}")
+    return triton.autotune(configs=configs, key=["M_BUCKET", "N", "K"])(kernel)
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_SMS
 
 
 def fp8_gemm(
@@ -74,25 +127,20 @@ def fp8_gemm(
     out_scale: Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     aux_dtype: torch.dtype = torch.bfloat16,
+    fast_accum: bool = False,
+    family: str | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """`epilogue((a * scale_inv_a) @ (b * scale_inv_b))` with one generated kernel.
 
-    a: [M, K] FP8 row-major (K contiguous); b: [K, N] FP8 column-major (K contiguous), as FP8
-    tensor cores read them. Returns (out, aux or None, amax or None)."""
+    a: [M, K] FP8, b: [K, N] FP8, any strides (operands that are not K-contiguous with aligned rows
+    are copied first). `family` forces the kernel family ("pointer" or "tma"); by default the
+    target's. Returns (out, aux or None, amax or None)."""
     block_a, block_b = tuple(block_a), tuple(block_b)
-    variant = GemmVariant(a.dtype, b.dtype, block_a, block_b, epilogue, out_dtype, aux_dtype)
+    variant = GemmVariant(a.dtype, b.dtype, block_a, block_b, epilogue, out_dtype, aux_dtype, fast_accum)
     device = _check_device(dict(a=a, b=b, scale_inv_a=scale_inv_a, scale_inv_b=scale_inv_b, bias=bias, other=other, residual=residual, out_scale=out_scale))
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"fp8fx FP8 GEMM: needs 2-D [M, K] @ [K, N], got {tuple(a.shape)} @ {tuple(b.shape)}")
     (m, k), n = a.shape, b.shape[1]
-    if a.stride(1) != 1 or b.stride(0) != 1:
-        raise ValueError(
-            f"fp8fx FP8 GEMM: both operands must be K-contiguous (a row-major, b column-major); got a strides {a.stride()}, "
-            f"b strides {b.stride()}. Quantize with transpose=True to get the column-major copy."
-        )
-    for name, t, lead in (("a", a, a.stride(0)), ("b", b, b.stride(1))):
-        if m > 1 and n > 1 and lead % 16:
-            raise ValueError(f"fp8fx FP8 GEMM: operand {name}'s leading stride {lead} is not a multiple of 16 bytes")
     for name, s, shape, block in (("scale_inv_a", scale_inv_a, a.shape, block_a), ("scale_inv_b", scale_inv_b, b.shape, block_b)):
         if s.dtype != torch.float32 or tuple(s.shape) != tuple(scale_shape(shape, block)):
             raise ValueError(f"fp8fx FP8 GEMM: {name} must be fp32 of shape {tuple(scale_shape(shape, block))} for block {block}, got {s.dtype} {tuple(s.shape)}")
@@ -106,40 +154,52 @@ def fp8_gemm(
             raise ValueError(f"fp8fx FP8 GEMM: epilogue {epilogue.spec() or 'plain'!r} {'needs' if wanted else 'takes no'} {name}")
         if t is not None:
             _check_shape(name, t, shape)
-    if bias is not None and bias.stride(0) != 1:
-        raise ValueError(f"fp8fx FP8 GEMM: bias must be contiguous, got stride {bias.stride(0)}")
+    target = device_target(device)
+    family = family or DEFAULT_FAMILY[target]
+    if k == 0:
+        family = "pointer"  # nothing to load: a descriptor cannot describe an empty K
+    a, bt = rows_aligned(a), rows_aligned(b.t())
+    bias = bias.contiguous() if bias is not None else None
 
     out = torch.empty((m, n), dtype=out_dtype, device=device)
     aux = torch.empty((m, n), dtype=aux_dtype, device=device) if epilogue.aux != "none" else None
     amax = torch.zeros((), dtype=torch.float32, device=device) if epilogue.out_amax else None
+    if m == 0 or n == 0:
+        return out, aux, amax
     placeholder = scale_inv_a  # pointer for absent tensors: never read (its constexpr branch is off)
 
     def strides(t):
         return (t.stride(0), t.stride(1)) if t is not None else (0, 0)
 
+    operands = (a, bt.t()) if family == "pointer" else _descriptors(a, bt, target, variant)
     args = (
-        a, b, out, scale_inv_a, scale_inv_b,
+        *operands, out, scale_inv_a, scale_inv_b,
         bias if bias is not None else placeholder, other if other is not None else placeholder,
         residual if residual is not None else placeholder, aux if aux is not None else placeholder,
         out_scale if out_scale is not None else placeholder, amax if amax is not None else placeholder,
-        m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        m, n, k, m_bucket(m), *_operand_strides(a, bt, family), out.stride(0), out.stride(1),
         *_scale_strides(scale_inv_a, block_a), *_scale_strides(scale_inv_b, block_b),
         *strides(other), *strides(residual), *strides(aux),
     )  # fmt: skip
-    if device.type == "cuda":
-        kernel = _autotuned(arch_of(torch.cuda.get_device_capability(device)), variant)
-        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        kernel[grid](*args, **variant.constexprs())
-    else:
-        c = configs_for_interpreter(variant)
-        grid = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n),)
-        fp8_gemm_kernel[grid](*args, **variant.constexprs(), **c.constexprs(), num_warps=c.num_warps, num_stages=c.num_stages)
+    sms = _multiprocessors(device)
+    kernel = autotuner(target, family, variant)
+    kernel[lambda meta: gemm_grid(m, n, _config_of(meta), family, sms)](*args, **variant.constexprs())
     return out, aux, amax
 
 
-def configs_for_interpreter(variant: GemmVariant) -> TileConfig:
-    c = INTERPRETER_CONFIG
-    return replace(c, block_k=math.gcd(c.block_k, variant.k_block)) if variant.k_block else c
+def _config_of(meta: dict) -> TileConfig:
+    return TileConfig(meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"], meta["GROUP_M"], 0, 0)
+
+
+def _operand_strides(a: Tensor, bt: Tensor, family: str) -> tuple:
+    # The pointer kernel reads b as [K, N] with strides (1, row stride of bt); the TMA kernel gets descriptors.
+    return (a.stride(0), a.stride(1), bt.stride(1), bt.stride(0)) if family == "pointer" else ()
+
+
+def _descriptors(a: Tensor, bt: Tensor, target: str, variant: GemmVariant) -> tuple:
+    from fp8fx.codegen.tma_kernel import operand_descriptors
+
+    return operand_descriptors(a, bt, target, variant)
 
 
 def _launch_quantize(x: Tensor, out: Tensor, scale: Tensor, amax: Tensor, variant: QuantizeVariant) -> None:
@@ -147,11 +207,22 @@ def _launch_quantize(x: Tensor, out: Tensor, scale: Tensor, amax: Tensor, varian
     b0, b1, tile_r, tile_c = variant.blocking()
     (r, c), block = x.shape, variant.block
     scale_strides = (scale.stride(0), scale.stride(1)) if block else (0, 0)
-    grid = (triton.cdiv(r, b0) if b0 else 1, triton.cdiv(c, b1) if b1 else 1)
+    grid, columns_first = block_grid(triton.cdiv(r, b0) if b0 else 1, triton.cdiv(c, b1) if b1 else 1)
     quantize_kernel[grid](
         x, out, scale, amax, r, c, x.stride(0), x.stride(1), out.stride(0), out.stride(1), *scale_strides,
-        ROW_BLOCK=b0, COL_BLOCK=b1, TILE_R=tile_r, TILE_C=tile_c, **variant.constexprs(),
+        ROW_BLOCK=b0, COL_BLOCK=b1, TILE_R=tile_r, TILE_C=tile_c, COLUMNS_FIRST=columns_first, **variant.constexprs(),
     )  # fmt: skip
+
+
+def block_grid(row_blocks: int, col_blocks: int) -> tuple[tuple[int, int], bool]:
+    """(grid, columns_first) for one program per block: the longer side on grid x (up to 2**31 - 1),
+    the shorter on y (up to 65535): a rowwise cast of 1M tokens or a per-column cast of a 256k
+    vocabulary both fit."""
+    columns_first = col_blocks > row_blocks
+    grid = (col_blocks, row_blocks) if columns_first else (row_blocks, col_blocks)
+    if grid[0] > GRID_LIMITS[0] or grid[1] > GRID_LIMITS[1]:
+        raise ValueError(f"fp8fx quantize: {row_blocks} x {col_blocks} scale blocks exceed CUDA's grid limits")
+    return grid, columns_first
 
 
 def _empty_fp8(rows: int, cols: int, dtype: torch.dtype, device: torch.device, transpose: bool) -> Tensor:
@@ -189,7 +260,8 @@ def quantize(
     if not block and amax is None:  # tensorwise: amax over the whole tensor first
         amax = torch.zeros((), dtype=torch.float32, device=device)
         _, _, tile_r, tile_c = variant.blocking()
-        amax_kernel[(triton.cdiv(r, tile_r), triton.cdiv(c, tile_c))](x, amax, r, c, x.stride(0), x.stride(1), TILE_R=tile_r, TILE_C=tile_c)
+        grid, columns_first = block_grid(triton.cdiv(r, tile_r), triton.cdiv(c, tile_c))
+        amax_kernel[grid](x, amax, r, c, x.stride(0), x.stride(1), TILE_R=tile_r, TILE_C=tile_c, COLUMNS_FIRST=columns_first)
     _launch_quantize(x, out, scale, amax.reshape(()) if amax is not None else scale, variant)
     return out, scale
 

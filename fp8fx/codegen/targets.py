@@ -101,7 +101,7 @@ def build_gemm(variant: GemmVariant, arch: str, config: TileConfig) -> BuildResu
 def build_quantize(variant: QuantizeVariant, arch: str) -> BuildResult:
     b0, b1, tile_r, tile_c = variant.blocking()  # as the launcher runs it
     config = TileConfig(tile_r, 1, tile_c, 1, 4, 1)  # (tile_r, -, tile_c), for the report
-    constexprs = {**variant.constexprs(), "ROW_BLOCK": b0, "COL_BLOCK": b1, "TILE_R": tile_r, "TILE_C": tile_c, "stride_xc": 1}
+    constexprs = {**variant.constexprs(), "ROW_BLOCK": b0, "COL_BLOCK": b1, "TILE_R": tile_r, "TILE_C": tile_c, "COLUMNS_FIRST": False, "stride_xc": 1}
     pointers = dict(x_ptr=_PTR[variant.in_dtype], out_ptr=_PTR[variant.out_dtype], scale_ptr="*fp32", amax_ptr="*fp32")
     signature = _signature(quantize_kernel, pointers, constexprs)
     kernel = _compile(quantize_kernel, signature, constexprs, arch, 4, 1, aligned=("C", "stride_xr", "stride_or"))
@@ -112,7 +112,7 @@ def _result(name: str, arch: str, config: TileConfig, kernel, mma: re.Pattern | 
     ptx = kernel.asm["ptx"]
     found = mma.search(ptx) if mma is not None else None
     registers, spills = _ptxas_report(ptx, arch)
-    cfg = f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages}"
+    cfg = config.describe()
     return BuildResult(name, arch, cfg, found.group(0) if found else None, registers, spills, kernel.metadata.shared, SHARED_MEMORY_LIMIT[arch])
 
 

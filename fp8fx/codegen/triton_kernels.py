@@ -4,7 +4,9 @@ Every choice a variant makes is a `tl.constexpr`, so Triton compiles (and caches
 epilogue signature and dead branches cost nothing. The GEMM epilogue runs in a fixed order, the
 order of a transformer's elementwise chain after a matmul:
 
-    acc = sum_k A_fp8 @ B_fp8                  (fp32 accumulation on FP8 tensor cores)
+    acc = sum_k A_fp8 @ B_fp8                  (fp32 accumulation on FP8 tensor cores; FAST_ACCUM
+                                                keeps Hopper's reduced-precision FP8 accumulator for
+                                                the whole K loop, else each BLOCK_K is promoted)
     y   = acc * scale_inv_a * scale_inv_b      (per tensor / row / column / K-block)
     y   = y + bias                              HAS_BIAS
     aux = y                                     AUX_STAGE == 1 (pre-activation, for backward)
@@ -17,14 +19,16 @@ order of a transformer's elementwise chain after a matmul:
 FP8 stores go through `_round_to_fp8_grid` first: the value is rounded (to nearest even, in fp32,
 with explicit subnormals) onto the FP8 grid before the conversion, so the conversion itself is
 exact on every backend, including Triton's interpreter whose FP8 downcast does not round.
+
+Row and column offsets are 64-bit wherever they meet a stride: a tensor of 2**31 elements or more
+(a weight-gradient operand of 28672 x 81920) would wrap in 32-bit arithmetic. The epilogue is one
+`@triton.jit` function shared by every GEMM kernel family (`fp8fx.codegen.tma_kernel` too).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 
 _SQRT_HALF = tl.constexpr(0.7071067811865476)
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
@@ -85,31 +89,99 @@ def _scale_index(offs_rows, k0, ROW_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr):
 
 
 @triton.jit
+def dot_accumulate(a, b, acc, FAST_ACCUM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += a @ b. Without FAST_ACCUM, Hopper promotes the FP8 partial sums to fp32 every
+    BLOCK_K (TransformerEngine's split accumulator; other GPUs accumulate in fp32 anyway)."""
+    if FAST_ACCUM:
+        return tl.dot(a, b, acc)
+    else:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+
+
+@triton.jit
+def apply_scales(acc, offs_m, offs_n, mask_m, mask_n, scale_a_ptr, scale_b_ptr, stride_sa_row, stride_sb_col,
+                 A_ROW_BLOCK: tl.constexpr, B_COL_BLOCK: tl.constexpr):
+    """Dequantize a tile whose scales are constant along K: per tensor, row (of A) or column (of B)."""
+    rows_a, _ka = _scale_index(offs_m, 0, A_ROW_BLOCK, 0)
+    cols_b, _kb = _scale_index(offs_n, 0, B_COL_BLOCK, 0)
+    sa = tl.load(scale_a_ptr + rows_a * stride_sa_row, mask=mask_m, other=1.0)
+    sb = tl.load(scale_b_ptr + cols_b * stride_sb_col, mask=mask_n, other=1.0)
+    return acc * sa[:, None] * sb[None, :]
+
+
+@triton.jit
+def epilogue_store(
+    y, offs_m, offs_n, mask_m, mask_n,
+    out_ptr, bias_ptr, other_ptr, residual_ptr, aux_ptr, out_scale_ptr, amax_ptr,
+    stride_om, stride_on, stride_xm, stride_xn, stride_rm, stride_rn, stride_aux_m, stride_aux_n,
+    HAS_BIAS: tl.constexpr, AUX_STAGE: tl.constexpr, ACTIVATION: tl.constexpr, MUL_MODE: tl.constexpr,
+    MUL_ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_AMAX: tl.constexpr, OUT_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+):
+    """The fused epilogue on a dequantized fp32 tile `y` (rows `offs_m`, columns `offs_n`, int64),
+    in the fixed order of the module docstring; stores `out` (and `aux`), atomically maxes `amax`."""
+    mask = mask_m[:, None] & mask_n[None, :]
+    rows = offs_m[:, None]
+    cols = offs_n[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if AUX_STAGE == 1:
+        tl.store(aux_ptr + rows * stride_aux_m + cols * stride_aux_n, y.to(aux_ptr.dtype.element_ty), mask=mask)
+    y = _activation(y, ACTIVATION)
+    if AUX_STAGE == 2:
+        tl.store(aux_ptr + rows * stride_aux_m + cols * stride_aux_n, y.to(aux_ptr.dtype.element_ty), mask=mask)
+    if MUL_MODE != 0:
+        other = tl.load(other_ptr + rows * stride_xm + cols * stride_xn, mask=mask, other=0.0).to(tl.float32)
+        if MUL_MODE == 1:
+            y = y * other
+        else:
+            y = _activation(other, MUL_ACTIVATION) * y
+    if AUX_STAGE == 3:
+        tl.store(aux_ptr + rows * stride_aux_m + cols * stride_aux_n, y.to(aux_ptr.dtype.element_ty), mask=mask)
+    if HAS_RESIDUAL:
+        y += tl.load(residual_ptr + rows * stride_rm + cols * stride_rn, mask=mask, other=0.0).to(tl.float32)
+    if AUX_STAGE == 4:
+        tl.store(aux_ptr + rows * stride_aux_m + cols * stride_aux_n, y.to(aux_ptr.dtype.element_ty), mask=mask)
+    if OUT_AMAX:
+        tl.atomic_max(amax_ptr, _abs_max(tl.where(mask, y, 0.0)))
+    if OUT_FP8:
+        y = _to_fp8(y * tl.load(out_scale_ptr), FP8_MAX, MANTISSA_BITS, MIN_EXPONENT)
+    tl.store(out_ptr + rows * stride_om + cols * stride_on, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def tile_position(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of linear tile index `tile`, in grouped order: GROUP_M row-tiles
+    share their B columns in L2."""
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    group = tile // (GROUP_M * grid_n)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % group_size)
+    pid_n = (tile % (GROUP_M * grid_n)) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
 def fp8_gemm_kernel(
     a_ptr, b_ptr, out_ptr, scale_a_ptr, scale_b_ptr,
     bias_ptr, other_ptr, residual_ptr, aux_ptr, out_scale_ptr, amax_ptr,
-    M, N, K,
+    M, N, K, M_BUCKET,
     stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on,
     stride_sa_row, stride_sa_k, stride_sb_k, stride_sb_col,
     stride_xm, stride_xn, stride_rm, stride_rn, stride_aux_m, stride_aux_n,
     A_ROW_BLOCK: tl.constexpr, A_K_BLOCK: tl.constexpr, B_K_BLOCK: tl.constexpr, B_COL_BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr, AUX_STAGE: tl.constexpr, ACTIVATION: tl.constexpr, MUL_MODE: tl.constexpr,
     MUL_ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_AMAX: tl.constexpr, OUT_FP8: tl.constexpr,
-    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr, FAST_ACCUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # Grouped ordering of output tiles: GROUP_M row-tiles share their B columns in L2.
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * grid_n)
-    first_m = group * GROUP_M
-    group_size = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size)
-    pid_n = (pid % (GROUP_M * grid_n)) // group_size
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    """One output tile per program, operands loaded through pointers (Ada, and the fallback).
+    M_BUCKET is M rounded up to a power of two: the autotuner's key, not used here."""
+    pid_m, pid_n = tile_position(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
@@ -132,50 +204,35 @@ def fp8_gemm_kernel(
             sb = tl.load(scale_b_ptr + kb * stride_sb_k + cols_b * stride_sb_col, mask=mask_n, other=1.0)
             acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
         else:
-            acc = tl.dot(a, b, acc)
+            acc = dot_accumulate(a, b, acc, FAST_ACCUM, BLOCK_K)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
     if not PER_K_SCALES:
-        rows_a, _ka = _scale_index(offs_m, 0, A_ROW_BLOCK, A_K_BLOCK)
-        cols_b, _kb = _scale_index(offs_n, 0, B_COL_BLOCK, B_K_BLOCK)
-        sa = tl.load(scale_a_ptr + rows_a * stride_sa_row, mask=mask_m, other=1.0)
-        sb = tl.load(scale_b_ptr + cols_b * stride_sb_col, mask=mask_n, other=1.0)
-        acc = acc * sa[:, None] * sb[None, :]
-
-    mask = mask_m[:, None] & mask_n[None, :]
-    y = acc
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if AUX_STAGE == 1:
-        tl.store(aux_ptr + offs_m[:, None] * stride_aux_m + offs_n[None, :] * stride_aux_n, y.to(aux_ptr.dtype.element_ty), mask=mask)
-    y = _activation(y, ACTIVATION)
-    if AUX_STAGE == 2:
-        tl.store(aux_ptr + offs_m[:, None] * stride_aux_m + offs_n[None, :] * stride_aux_n, y.to(aux_ptr.dtype.element_ty), mask=mask)
-    if MUL_MODE != 0:
-        other = tl.load(other_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-        if MUL_MODE == 1:
-            y = y * other
-        else:
-            y = _activation(other, MUL_ACTIVATION) * y
-    if AUX_STAGE == 3:
-        tl.store(aux_ptr + offs_m[:, None] * stride_aux_m + offs_n[None, :] * stride_aux_n, y.to(aux_ptr.dtype.element_ty), mask=mask)
-    if HAS_RESIDUAL:
-        y += tl.load(residual_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn, mask=mask, other=0.0).to(tl.float32)
-    if AUX_STAGE == 4:
-        tl.store(aux_ptr + offs_m[:, None] * stride_aux_m + offs_n[None, :] * stride_aux_n, y.to(aux_ptr.dtype.element_ty), mask=mask)
-    if OUT_AMAX:
-        tl.atomic_max(amax_ptr, _abs_max(tl.where(mask, y, 0.0)))
-    if OUT_FP8:
-        y = _to_fp8(y * tl.load(out_scale_ptr), FP8_MAX, MANTISSA_BITS, MIN_EXPONENT)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, y.to(out_ptr.dtype.element_ty), mask=mask)
+        acc = apply_scales(acc, offs_m, offs_n, mask_m, mask_n, scale_a_ptr, scale_b_ptr, stride_sa_row, stride_sb_col, A_ROW_BLOCK, B_COL_BLOCK)
+    epilogue_store(
+        acc, offs_m, offs_n, mask_m, mask_n, out_ptr, bias_ptr, other_ptr, residual_ptr, aux_ptr, out_scale_ptr, amax_ptr,
+        stride_om, stride_on, stride_xm, stride_xn, stride_rm, stride_rn, stride_aux_m, stride_aux_n,
+        HAS_BIAS, AUX_STAGE, ACTIVATION, MUL_MODE, MUL_ACTIVATION, HAS_RESIDUAL, OUT_AMAX, OUT_FP8, FP8_MAX, MANTISSA_BITS, MIN_EXPONENT,
+    )
 
 
 @triton.jit
-def amax_kernel(x_ptr, amax_ptr, R, C, stride_xr, stride_xc, TILE_R: tl.constexpr, TILE_C: tl.constexpr):
+def _block_ids(COLUMNS_FIRST: tl.constexpr):
+    """(row block, column block) of this program. CUDA allows 2**31 - 1 programs along grid x but
+    65535 along y: the launcher puts the longer side on x (COLUMNS_FIRST when there are more column blocks)."""
+    if COLUMNS_FIRST:
+        return tl.program_id(1).to(tl.int64), tl.program_id(0).to(tl.int64)
+    else:
+        return tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+
+
+@triton.jit
+def amax_kernel(x_ptr, amax_ptr, R, C, stride_xr, stride_xc, TILE_R: tl.constexpr, TILE_C: tl.constexpr, COLUMNS_FIRST: tl.constexpr):
     """Tensorwise amax of a 2-D tensor (any strides): one atomic max per tile."""
-    rr = tl.program_id(0) * TILE_R + tl.arange(0, TILE_R)
-    cc = tl.program_id(1) * TILE_C + tl.arange(0, TILE_C)
+    pid_r, pid_c = _block_ids(COLUMNS_FIRST)
+    rr = pid_r * TILE_R + tl.arange(0, TILE_R)
+    cc = pid_c * TILE_C + tl.arange(0, TILE_C)
     m = (rr[:, None] < R) & (cc[None, :] < C)
     x = tl.load(x_ptr + rr[:, None] * stride_xr + cc[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
     tl.atomic_max(amax_ptr, _abs_max(x))
@@ -210,7 +267,7 @@ def quantize_kernel(
     ROW_BLOCK: tl.constexpr, COL_BLOCK: tl.constexpr, AMAX_GIVEN: tl.constexpr, SCALE_GIVEN: tl.constexpr,
     FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, POWER_OF_TWO: tl.constexpr,
     MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
-    TILE_R: tl.constexpr, TILE_C: tl.constexpr,
+    TILE_R: tl.constexpr, TILE_C: tl.constexpr, COLUMNS_FIRST: tl.constexpr,
 ):
     """Saturating FP8 quantization of a 2-D tensor, one program per scale block (or a cast with
     given scales, SCALE_GIVEN).
@@ -221,8 +278,7 @@ def quantize_kernel(
     output strides may transpose (the column-major copies backward GEMMs want). Each program
     stores its block's scale; a tensorwise quantization runs many programs over one given amax,
     all storing the same scale (scale strides 0)."""
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
+    pid_r, pid_c = _block_ids(COLUMNS_FIRST)
     r_start = pid_r * ROW_BLOCK
     c_start = pid_c * COL_BLOCK
     r_end = R if ROW_BLOCK == 0 else tl.minimum(r_start + ROW_BLOCK, R)

@@ -1,7 +1,9 @@
-"""Kernel variants: the constexpr signature of each generated kernel, and tile configs per GPU.
+"""Kernel variants: the constexpr signature of each generated kernel, tile configs per GPU target,
+and which target a device is. Imports no Triton: the graph passes and the report use it too.
 
 A variant is everything that changes the generated code (operand formats, scale granularity,
-epilogue, output dtype); sizes and strides do not. Triton caches one binary per variant and config.
+epilogue, accumulation precision, output dtype); sizes and strides do not. Triton caches one binary
+per variant and config.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fp8fx.codegen.triton_kernels import ACTIVATIONS
 from fp8fx.formats import fp8_format_of
 
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")  # index = the kernels' ACTIVATION constexpr
 # Where the epilogue's optional second output (`aux`) is taken: the value a backward op needs.
 AUX_STAGES = ("none", "pre_activation", "activation", "product", "sum")
 MUL_MODES = ("none", "by_other", "gated")  # y * other  |  act(other) * y
@@ -111,6 +113,9 @@ class GemmVariant:
     epilogue: Epilogue = Epilogue()
     out_dtype: torch.dtype = torch.bfloat16
     aux_dtype: torch.dtype = torch.bfloat16
+    # Hopper's FP8 wgmma accumulates in reduced precision: fast_accum keeps the whole K loop there,
+    # otherwise each BLOCK_K slice is promoted to the fp32 accumulator (TE's split accumulator).
+    fast_accum: bool = False
 
     def __post_init__(self):
         for name in ("a_dtype", "b_dtype"):
@@ -135,7 +140,8 @@ class GemmVariant:
             return "t" if not b else "x".join(str(v) if v else "all" for v in b)
 
         ep = self.epilogue.spec().replace(",", "_").replace("=", "-") or "plain"
-        return f"fp8_gemm_{_SHORT[self.a_dtype]}{_SHORT[self.b_dtype]}_s{blk(self.block_a)}.{blk(self.block_b)}_{ep}_{_SHORT[self.out_dtype]}"
+        fast = "_fastacc" if self.fast_accum else ""
+        return f"fp8_gemm_{_SHORT[self.a_dtype]}{_SHORT[self.b_dtype]}_s{blk(self.block_a)}.{blk(self.block_b)}_{ep}_{_SHORT[self.out_dtype]}{fast}"
 
     def constexprs(self) -> dict:
         e = self.epilogue
@@ -148,7 +154,7 @@ class GemmVariant:
             HAS_BIAS=e.bias, AUX_STAGE=AUX_STAGES.index(e.aux), ACTIVATION=ACTIVATIONS.index(e.activation),
             MUL_MODE=MUL_MODES.index(e.mul), MUL_ACTIVATION=ACTIVATIONS.index(e.mul_activation),
             HAS_RESIDUAL=e.residual, OUT_AMAX=e.out_amax, OUT_FP8=out_fp8,
-            FP8_MAX=fp8_max, MANTISSA_BITS=mantissa, MIN_EXPONENT=min_exp,
+            FP8_MAX=fp8_max, MANTISSA_BITS=mantissa, MIN_EXPONENT=min_exp, FAST_ACCUM=self.fast_accum,
         )
 
     def with_epilogue(self, **changes) -> "GemmVariant":
@@ -200,17 +206,32 @@ class TileConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    extra: tuple = ()  # (name, value) constexprs of one kernel family only (the TMA kernel's)
 
     def constexprs(self) -> dict:
-        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m)
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m, **dict(self.extra))
+
+    def describe(self) -> str:
+        extra = "".join(f" {k.lower()}={v}" for k, v in self.extra)
+        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}{extra}"
 
 
-# Tile configs per architecture, largest first; each one is compiled on the CPU for every variant
-# in the tests, which check that it uses FP8 tensor cores, does not spill and fits shared memory.
-# Hopper / Blackwell: 128-wide tiles with 8 warps (two warpgroups) and 4 stages; 128 x 256 tiles
-# spill with the larger epilogues. Ada: 99 KB of shared memory and mma.sync; 128 x 128 tiles spill
-# with a GELU epilogue, so 128 x 64. Epilogues that load tiles (product, residual) get the smaller
-# tiles only (see configs_for). BLOCK_K = 128 matches blockwise scaling's K-blocks.
+# Where kernels run: three GPU architectures, and Triton's interpreter on CPU tensors (tests and
+# debugging). Each target runs one kernel family by default: `pointer` (tiles loaded through
+# pointers, `fp8fx.codegen.triton_kernels`) or `tma` (persistent, operands through TMA tensor
+# descriptors, `fp8fx.codegen.tma_kernel`); the interpreter runs either, with small tiles.
+GPU_TARGETS = ("sm_89", "sm_90a", "sm_100a")
+TARGETS = (*GPU_TARGETS, "interpreter")
+FAMILIES = ("pointer", "tma")
+DEFAULT_FAMILY = {"sm_89": "pointer", "sm_90a": "pointer", "sm_100a": "pointer", "interpreter": "pointer"}
+
+# Tile configs per target and family, largest first; each one is compiled on the CPU for every
+# variant in the tests, which check that it uses FP8 tensor cores, does not spill and fits shared
+# memory. Pointer kernel on Hopper / Blackwell: 128-wide tiles with 8 warps (two warpgroups) and
+# 4 stages; 128 x 256 tiles spill with the larger epilogues. Ada: 99 KB of shared memory and
+# mma.sync; 128 x 128 tiles spill with a GELU epilogue, so 128 x 64. Epilogues that load tiles
+# (product, residual) get the smaller tiles only (see configs_for). BLOCK_K = 128 matches blockwise
+# scaling's K-blocks. The interpreter times nothing: one config, so its autotuner never benchmarks.
 _HOPPER = (
     TileConfig(128, 128, 128, 8, 8, 4),
     TileConfig(128, 64, 128, 8, 8, 4),
@@ -218,16 +239,24 @@ _HOPPER = (
     TileConfig(64, 128, 128, 8, 4, 4),
     TileConfig(64, 64, 128, 8, 4, 3),
 )
-ARCH_CONFIGS: dict[str, tuple[TileConfig, ...]] = {
-    "sm_90a": _HOPPER,
-    "sm_100a": _HOPPER,
-    "sm_89": (TileConfig(128, 64, 128, 8, 4, 3), TileConfig(64, 64, 128, 8, 4, 3)),
+CONFIGS: dict[tuple[str, str], tuple[TileConfig, ...]] = {
+    ("sm_90a", "pointer"): _HOPPER,
+    ("sm_100a", "pointer"): _HOPPER,
+    ("sm_89", "pointer"): (TileConfig(128, 64, 128, 8, 4, 3), TileConfig(64, 64, 128, 8, 4, 3)),
+    ("interpreter", "pointer"): (TileConfig(16, 16, 32, 2, 1, 1),),
 }
-INTERPRETER_CONFIG = TileConfig(16, 16, 32, 2, 1, 1)  # small tiles keep the CPU interpreter quick
+# CUDA's grid limits: x up to 2**31 - 1 programs, y and z up to 65535.
+GRID_LIMITS = (2**31 - 1, 65535, 65535)
 
 
-def arch_of(capability: tuple[int, int]) -> str:
+def arch_of(capability: tuple[int, int], hip: bool = False) -> str:
+    """The GPU target of a device's compute capability (`torch.cuda.get_device_capability`)."""
     major, minor = capability
+    if hip:  # ROCm reports its gfx version as a capability (gfx942: 9.4); its FP8 formats differ (FNUZ)
+        raise RuntimeError(
+            f"fp8fx: ROCm GPUs are not supported (capability {major}.{minor} reported by a HIP build of torch); "
+            "fp8fx's kernels and formats are NVIDIA's (sm_89, sm_90a, sm_100a)"
+        )
     if major == 9:
         return "sm_90a"
     if major == 10:
@@ -237,13 +266,20 @@ def arch_of(capability: tuple[int, int]) -> str:
     raise RuntimeError(f"fp8fx: GPU capability {major}.{minor} has no FP8 tensor cores (needs sm_89, sm_90 or sm_100)")
 
 
-def configs_for(arch: str, variant: GemmVariant) -> tuple[TileConfig, ...]:
-    """Configs of `arch` usable for `variant`: with K-block scales, BLOCK_K must divide the K-block."""
-    configs = ARCH_CONFIGS[arch]
-    if variant.epilogue.mul != "none" or variant.epilogue.residual:
+def device_target(device: torch.device) -> str:
+    """`arch_of` for a CUDA device; "interpreter" for CPU tensors (run by Triton's interpreter)."""
+    if device.type != "cuda":
+        return "interpreter"
+    return arch_of(torch.cuda.get_device_capability(device), hip=torch.version.hip is not None)
+
+
+def configs_for(target: str, variant: GemmVariant, family: str | None = None) -> tuple[TileConfig, ...]:
+    """Configs of `target` usable for `variant`: with K-block scales, BLOCK_K must divide the K-block."""
+    configs = CONFIGS[target, family or DEFAULT_FAMILY[target]]
+    if target != "interpreter" and (variant.epilogue.mul != "none" or variant.epilogue.residual):
         # Epilogues that load full tiles of other tensors hold them in registers beside the
         # accumulator: at most 32 accumulator values per thread keeps them from spilling.
-        configs = tuple(c for c in configs if c.block_m * c.block_n <= 32 * 32 * c.num_warps)
+        configs = tuple(c for c in configs if c.block_m * c.block_n <= 32 * 32 * c.num_warps * c.constexprs().get("EPILOGUE_SUBTILE", 1))
     k_block = variant.k_block
     if k_block:
         configs = tuple(replace(c, block_k=math.gcd(c.block_k, k_block)) for c in configs)

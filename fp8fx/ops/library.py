@@ -47,7 +47,7 @@ def _(x: Tensor, scale: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:
 
 
 @scaled_mm.register_fake
-def _(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, block_a, block_b) -> Tensor:
+def _(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, block_a, block_b, fast_accum=False) -> Tensor:
     reference.check_scaled_mm_args(a, b, scale_inv_a, scale_inv_b, block_a, block_b)
     return a.new_empty((*a.shape[:-1], b.shape[-1]), dtype=out_dtype)
 
@@ -58,7 +58,7 @@ def _(amax_history, scale, steps, non_finite, amax, fp8_max, margin, power_of_tw
 
 
 @fp8_gemm.register_fake
-def _(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, kernel):
+def _(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, kernel, fast_accum):
     from fp8fx.codegen.variants import Epilogue
 
     reference.check_scaled_mm_args(a, b, scale_inv_a, scale_inv_b, block_a, block_b)

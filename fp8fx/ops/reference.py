@@ -78,8 +78,10 @@ def scaled_mm(
     out_dtype: torch.dtype,
     block_a: list[int],
     block_b: list[int],
+    fast_accum: bool = False,
 ) -> Tensor:
-    """`(a * scale_inv_a) @ (b * scale_inv_b) + bias` in `out_dtype`; a, b FP8, 2-D (mm) or 3-D (bmm)."""
+    """`(a * scale_inv_a) @ (b * scale_inv_b) + bias` in `out_dtype`; a, b FP8, 2-D (mm) or 3-D (bmm).
+    The CPU accumulates in fp32 whatever `fast_accum` (for Hopper's FP8 accumulator) says."""
     check_scaled_mm_args(a, b, scale_inv_a, scale_inv_b, block_a, block_b)
     if not block_a and not block_b:  # tensorwise: one GEMM, one scaling of the result
         out = torch.matmul(a.to(torch.float32), b.to(torch.float32)).mul_(scale_inv_a * scale_inv_b)
@@ -158,22 +160,33 @@ def fp8_gemm(
     block_b: list[int],
     epilogue: str,
     kernel: str,
+    fast_accum: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """FP8 GEMM with a fused epilogue (see `fp8fx.codegen.triton_kernels` for the order).
 
     `epilogue` is an `Epilogue.spec()` string. Everything after the GEMM runs in fp32 and is rounded
     once, to `out_dtype` (FP8: saturating cast of `y * out_scale`). Returns (out, aux, amax); aux
-    and amax are empty tensors when the epilogue does not make them. `kernel="triton"` runs the
-    generated kernel instead (on CPU tensors: under Triton's interpreter, for debugging)."""
+    and amax are empty tensors when the epilogue does not make them. `kernel` is what runs on a GPU
+    ("triton": the generated kernel, "scaled_mm"); on CPU tensors under Triton's interpreter a
+    "triton" GEMM runs the generated kernel too, through the same launcher. The CPU accumulates
+    in fp32 whatever `fast_accum` (Hopper's reduced-precision FP8 accumulator) says."""
     from fp8fx.codegen.variants import Epilogue  # the spec's parser; codegen imports no reference code
 
     ep = Epilogue.parse(epilogue)
-    if kernel == "triton":
+    if kernel == "triton" and _interpreting():
         from fp8fx.codegen.dispatch import fp8_gemm_triton
 
-        return fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, ep)
+        return fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, ep, fast_accum)
     y = scaled_mm(a, b, scale_inv_a, scale_inv_b, None, torch.float32, block_a, block_b)
     return fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_dtype, ep)
+
+
+def _interpreting() -> bool:
+    """Triton's interpreter is on (TRITON_INTERPRET=1 before Triton was imported)."""
+    import sys
+
+    triton = sys.modules.get("triton")
+    return triton is not None and bool(triton.knobs.runtime.interpret)
 
 
 def fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_dtype, ep) -> tuple[Tensor, Tensor, Tensor]:

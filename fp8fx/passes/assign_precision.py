@@ -51,6 +51,7 @@ class Decision:
     power_of_two: bool = False
     margin: int = 0
     delayed: DelayedSpec | None = None  # set when scaling is delayed
+    fast_accum: bool = False  # Hopper's unpromoted FP8 accumulator for the whole K loop (policy fast_accum)
 
     @property
     def fp8(self) -> bool:
@@ -147,6 +148,7 @@ def decide(site: MatmulSite, gemm: Gemm, ctx: PassContext) -> Decision:
         blocks=operand_blocks(settings.granularity, roles),
         power_of_two=settings.power_of_two_scales,
         margin=settings.margin,
+        fast_accum=settings.fast_accum[gemm.role],
         delayed=(
             DelayedSpec(settings.amax_history_len, settings.amax_compute_algo, settings.interval)
             if settings.scaling is Scaling.DELAYED

@@ -9,7 +9,7 @@ kernel's `aux` output; a second such value ends the chain there. A tensorwise `f
 chain's result (the next layer's dynamic scale) is computed by the epilogue too.
 
 Every 2-D FP8 GEMM becomes an `fp8_gemm` node, with or without epilogue, and its record says what
-was fused and why the chain stopped.
+was fused, why the chain stopped, and which kernel runs it on a GPU and why (`fp8fx.codegen.dispatch`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import fx
 
+from fp8fx.codegen.dispatch import choose_kernel
 from fp8fx.codegen.variants import Epilogue, GemmVariant
 from fp8fx.passes.graph_utils import DTYPE_CASTS, META_KEY, PassContext, PassResult, add_node, fake_mode_of, strip_layout
 
@@ -115,10 +116,10 @@ def _walk(gemm: fx.Node) -> _Chain:
 
 
 class _Fuser:
-    def __init__(self, gm: fx.GraphModule, kernel: str):
+    def __init__(self, gm: fx.GraphModule, kernels: str):
         self.graph = gm.graph
         self.fake_mode = fake_mode_of(self.graph)
-        self.kernel = kernel
+        self.kernels = kernels
         self.order = {}
         self._renumber()
 
@@ -196,7 +197,7 @@ class _Fuser:
         raise AssertionError("an FP8 GEMM without epilogue can always be placed")
 
     def place(self, gemm, ep: Epilogue, inputs, final, aux_node, amax_users, absorbed) -> bool:
-        a, b, sa, sb, _bias, _out_dtype, block_a, block_b = gemm.args
+        a, b, sa, sb, _bias, _out_dtype, block_a, block_b, fast_accum = gemm.args
         m, n = _shape(gemm)
         consumers = [u for u in final.users] + ([u for u in aux_node.users if u not in absorbed] if aux_node is not None else [])
         at = min(consumers, key=self.order.__getitem__) if consumers else final.next
@@ -215,13 +216,17 @@ class _Fuser:
         out_val = (fp8_cast or final).meta["val"]
         aux_dtype = aux_node.meta["val"].dtype if aux_node is not None else final.meta["val"].dtype
         out_scale = fp8_cast.args[1] if fp8_cast is not None else None
+        variant = GemmVariant(a.meta["val"].dtype, b.meta["val"].dtype, tuple(block_a), tuple(block_b), ep, out_val.dtype, aux_dtype, fast_accum)
+        k = a.meta["val"].shape[-1]
+        shape = tuple(d if isinstance(d, int) else None for d in (m, n, k))
+        kernel, kernel_reason = choose_kernel(self.kernels, variant, shape, out_val.device)
         with self.graph.inserting_before(at):
             flat = {}
             for key in ("other", "residual"):
                 t = inputs[key]
                 flat[key] = t if t is None or _shape(t) == (m, n) else self.add(aten.view.default, (t, [m, n]), tag_from=gemm)
             args = (a, b, sa, sb, inputs["bias"], flat["other"], flat["residual"], out_scale, out_val.dtype, aux_dtype,
-                    list(block_a), list(block_b), ep.spec(), self.kernel)  # fmt: skip
+                    list(block_a), list(block_b), ep.spec(), kernel, fast_accum)  # fmt: skip
             fused = self.add(fp8fx_ops.fp8_gemm.default, args, tag_from=gemm)
             outs = [self.add(operator.getitem, (fused, i), tag_from=gemm) for i in range(3)]
             out = outs[0] if _shape(final) == (m, n) else self.add(aten.view.default, (outs[0], list(_shape(final))), tag_from=gemm)
@@ -245,8 +250,7 @@ class _Fuser:
                 self.graph.erase_node(node)
         if not gemm.users:
             self.graph.erase_node(gemm)
-        variant = GemmVariant(a.meta["val"].dtype, b.meta["val"].dtype, tuple(block_a), tuple(block_b), ep, out_val.dtype, aux_dtype)
-        fused.meta[META_KEY]["variant"] = variant
+        fused.meta[META_KEY].update(variant=variant, kernel=kernel, kernel_reason=kernel_reason)
         self._renumber()
         return True
 
@@ -286,8 +290,12 @@ def _amax_of(cast: fx.Node) -> fx.Node | None:
 def fuse_epilogues(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     gemms = [n for n in gm.graph.nodes if n.target == fp8fx_ops.scaled_mm.default and n.meta["val"].dim() == 2]
     for n in gm.graph.nodes:
-        if n.target == fp8fx_ops.scaled_mm.default and n.meta["val"].dim() != 2:
-            n.meta[META_KEY]["fusion_stop"] = "batched GEMMs run unfused (torch's scaled-mm path)"
+        if n.target == fp8fx_ops.scaled_mm.default:
+            batched = n.meta["val"].dim() != 2
+            why = "batched GEMMs run unfused" if batched else "fuse_epilogues=False"
+            n.meta[META_KEY].update(kernel="scaled_mm", kernel_reason=f"{why}: torch._scaled_mm")
+            if batched:
+                n.meta[META_KEY]["fusion_stop"] = "batched GEMMs run unfused (torch's scaled-mm path)"
     if not ctx.fuse_epilogues or not gemms:
         return PassResult(gm, modified=False)
     fuser = _Fuser(gm, ctx.kernels)

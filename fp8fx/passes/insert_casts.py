@@ -123,7 +123,7 @@ class _Inserter:
         a, qa = self.operand(left, specs[0], gemm, keys[0])
         b, qb = self.operand(right, specs[1], gemm, keys[1])
         meta["state_keys"] = (qa.state_key, qb.state_key)
-        args = (a, b, qa.scale_inv, qb.scale_inv, bias, gemm.meta["val"].dtype, list(d.blocks[0]), list(d.blocks[1]))
+        args = (a, b, qa.scale_inv, qb.scale_inv, bias, gemm.meta["val"].dtype, list(d.blocks[0]), list(d.blocks[1]), d.fast_accum)
         with self.graph.inserting_before(gemm):
             new = self.add(fp8fx_ops.scaled_mm.default, args, tag_from=gemm)
         for key in _CARRIED_META:
