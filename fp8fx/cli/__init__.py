@@ -325,6 +325,94 @@ def policy_init(
     typer.echo(f"wrote {output} (recipe {recipe})")
 
 
+@app.command()
+def selftest(
+    out: Path | None = typer.Option(None, "--out", help="Where to write the JSON results (default: fp8fx-selftest-<device>.json in this directory)."),
+    no_table: bool = typer.Option(False, "--no-table", help="Do not write the measured dispatch table that kernels='auto' reads (GPU only)."),
+    quick: bool = typer.Option(False, "--quick", help="Time 15 GEMM shapes instead of all of bench/gemm_gpu.py's (GPU only)."),
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks."),
+) -> None:
+    """Check fp8fx's kernels on this machine's GPU against the CPU reference and time them.
+
+    Runs every kernel variant a small transformer's training step generates (tensorwise, rowwise,
+    blockwise) through the generated kernels and torch._scaled_mm, compares a compiled training
+    step with kernels='scaled_mm', times GEMMs and a block against BF16, and writes one JSON file
+    and the dispatch table. Without a GPU: offline builds and Triton's interpreter. Exit code 1 if
+    a correctness check failed."""
+    from fp8fx.selftest import SelftestError, check_output_path, default_output, gpu_status, run
+
+    try:
+        status = gpu_status()
+        out = check_output_path(out if out is not None else default_output(status))  # before minutes of work
+        if status.info is None:
+            typer.echo(f"no GPU: {status.reason}; running the CPU checks only (offline builds, Triton's interpreter)")
+        else:
+            g = status.info
+            typer.echo(f"GPU: {g['name']} (capability {g['capability']}, {g['target']}, {g['sms']} SMs, {g['memory_gib']} GiB)")
+        with _progress() as progress:
+            result = run(out=out, write_table=not no_table, quick=quick, progress=progress)
+    except SelftestError as e:
+        if debug:
+            raise
+        _fail(str(e))
+    for line in _selftest_lines(result):
+        typer.echo(line)
+    if result.table_error:
+        typer.echo(f"error: {result.table_error}", err=True)
+    raise typer.Exit(0 if result.passed and not result.table_error else 1)
+
+
+_CHECK_LABELS = {
+    ("gemm", "gpu"): "GEMMs vs the CPU reference (generated kernel and torch._scaled_mm)",
+    ("step", "gpu"): "training steps vs kernels='scaled_mm'",
+    ("build", "offline"): "offline builds (0 spills, FP8 tensor-core instruction)",
+    ("gemm", "interpreter"): "GEMMs in Triton's interpreter vs the CPU reference",
+    ("step", "interpreter"): "training step in Triton's interpreter vs kernels='scaled_mm'",
+    ("interpreter", "interpreter"): "Triton's interpreter",
+}
+
+
+def _selftest_lines(result) -> list[str]:
+    """The summary of a self-test: one line per group of checks, each failure, timings, files."""
+    data = result.data
+    env = data["environment"]
+    lines = [
+        f"torch {env['torch']}, Triton {env['triton']}, CUDA {env['cuda']}, fp8fx {env['fp8fx']}",
+        f"kernel variants in a training step ({', '.join(sorted({r for v in data['variants'] for r in v['recipes']}))}): {len(data['variants'])}",
+    ]
+    for g in data["summary"]:
+        label = _CHECK_LABELS.get((g["kind"], g["where"]), f"{g['kind']} ({g['where']})")
+        db = f", min SQNR {g['min_sqnr_db']:.1f} dB" if g["min_sqnr_db"] is not None else ""
+        lines.append(f"{label}: {g['passed']}/{g['total']} passed{db}")
+    for c in data["checks"]:
+        if not c["passed"]:
+            what = " ".join(str(c[key]) for key in ("variant", "arch", "recipe", "kernels", "path") if c.get(key))
+            shape = f" {c['m']}x{c['n']}x{c['k']}" if "m" in c else ""
+            why = c.get("error") or ", ".join(f"{part} {v.get('sqnr_db')} dB" for part, v in c.items() if isinstance(v, dict) and v.get("passed") is False)
+            if c["kind"] == "build" and not c.get("error"):
+                why = f"{c['spill_bytes']} spill bytes, shared {c['shared_bytes']}/{c['shared_limit']}, FP8 MMA {c['fp8_mma']}"
+            elif c["kind"] == "step" and not c.get("error"):
+                why = f"min SQNR {c['min_sqnr_db']} dB"
+            lines.append(f"  FAILED {c['kind']} {what}{shape}: {why}")
+    speed = data.get("speed")
+    if speed:
+        for role, s in speed["summary"].items():
+            t = s["median_tflops"]
+            lines.append(f"{role} FP8 GEMM ({s['variant']}), median TFLOP/s over {s['shapes']} shapes: generated {t['generated']}, "
+                         f"torch._scaled_mm {t['scaled_mm']}, BF16 torch.mm {t['bf16']}; generated faster on {s['generated_faster']}/{s['compared']}")  # fmt: skip
+        b = speed["block"]
+        lines.append(f"block training step (ms): fp8fx {b['fp8fx_auto_ms']}, fp8fx kernels='scaled_mm' {b['fp8fx_scaled_mm_ms']}, BF16 torch.compile {b['bf16_ms']}")
+    lines.append(f"results written to {result.json_path}")
+    if result.table_path:
+        lines.append(f"dispatch table written to {result.table_path}: kernels='auto' now follows these measurements on this GPU")
+    elif data["gpu"] is None:
+        lines.append("no dispatch table written (no GPU)")
+    failed, total = sum(not c["passed"] for c in data["checks"]), len(data["checks"])
+    verdict = f"all {total} checks passed" if data["passed"] else f"{failed} of {total} checks FAILED" if total else "FAILED: no check ran"
+    lines.append(f"{verdict} ({data['seconds']:.0f} s)")
+    return lines
+
+
 def main() -> None:
     app(prog_name="fp8fx")
 

@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fp8fx.codegen.triton_kernels import fp8_gemm_kernel, quantize_kernel
-from fp8fx.codegen.variants import Epilogue, GemmVariant, QuantizeVariant, TileConfig, configs_for
+from fp8fx.codegen.variants import CONFIGS, FAMILIES, Epilogue, GemmVariant, QuantizeVariant, TileConfig, configs_for
 
 CAPABILITY = {"sm_89": 89, "sm_90a": 90, "sm_100a": 100}
 SHARED_MEMORY_LIMIT = {"sm_89": 101376, "sm_90a": 232448, "sm_100a": 232448}  # bytes per block (opt-in max)
@@ -50,6 +50,10 @@ class BuildResult:
     spill_bytes: int  # spill stores + loads, from ptxas
     shared_bytes: int
     shared_limit: int
+    family: str = "pointer"  # "pointer", "tma", or "quantize"
+    tma: bool = False  # the PTX loads through TMA (cp.async.bulk.tensor)
+    warp_specialized: bool = False  # the kernel was split into warp-specialized partitions
+    warp_specialize_asked: bool = False  # the config asked for it (WARP_SPECIALIZE)
 
     @property
     def ok(self) -> bool:
@@ -85,17 +89,45 @@ def _signature(fn, pointers: dict, constexprs: dict) -> dict:
     return {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
 
 
-def build_gemm(variant: GemmVariant, arch: str, config: TileConfig) -> BuildResult:
-    # The launcher's layout: K-contiguous operands and row-major outputs (unit strides specialised).
-    constexprs = {**variant.constexprs(), **config.constexprs(), "stride_ak": 1, "stride_bk": 1, "stride_on": 1}
-    pointers = dict(a_ptr=_PTR[variant.a_dtype], b_ptr=_PTR[variant.b_dtype], out_ptr=_PTR[variant.out_dtype], aux_ptr=_PTR[variant.aux_dtype])
+def _gemm_kernel(variant: GemmVariant, arch: str, config: TileConfig, family: str):
+    """The compiled GEMM kernel of one family (Triton's CompiledKernel: .asm holds ttir, ttgir, ptx)."""
+    # The launcher's layout: K-contiguous operands, row-major outputs.
+    pointers = dict(out_ptr=_PTR[variant.out_dtype], aux_ptr=_PTR[variant.aux_dtype])
     for name in ("scale_a_ptr", "scale_b_ptr", "out_scale_ptr", "amax_ptr", "other_ptr"):
         pointers[name] = "*fp32"
     pointers["bias_ptr"] = pointers["residual_ptr"] = "*bf16"
-    aligned = ("N", "K", "stride_am", "stride_bn", "stride_om", "stride_xm", "stride_rm", "stride_aux_m")  # N, K % 16: the policy's rule
-    signature = _signature(fp8_gemm_kernel, pointers, constexprs)
-    kernel = _compile(fp8_gemm_kernel, signature, constexprs, arch, config.num_warps, config.num_stages, aligned)
-    return _result(variant.name, arch, config, kernel, FP8_MMA[arch])
+    aligned = ("N", "K", "stride_om", "stride_xm", "stride_rm", "stride_aux_m")  # N, K % 16: the policy's rule
+    if family == "pointer":
+        fn = fp8_gemm_kernel
+        constexprs = {"stride_ak": 1, "stride_bk": 1}
+        pointers.update(a_ptr=_PTR[variant.a_dtype], b_ptr=_PTR[variant.b_dtype])
+        aligned += ("stride_am", "stride_bn")
+    elif family == "tma":
+        from fp8fx.codegen.tma_kernel import fp8_gemm_tma_kernel as fn
+
+        # Tensor descriptors: element type and block shape (the config's operand tiles) are part
+        # of the argument's type, as Triton's launcher specialises a host TensorDescriptor.
+        constexprs = {p.name: p.default for p in fn.params if p.has_default}
+        pointers["a_desc"] = f"tensordesc<{_PTR[variant.a_dtype][1:]}[{config.block_m}, {config.block_k}]>"
+        pointers["b_desc"] = f"tensordesc<{_PTR[variant.b_dtype][1:]}[{config.block_n}, {config.block_k}]>"
+    else:
+        raise ValueError(f"fp8fx: unknown kernel family {family!r}; expected pointer or tma")
+    # The launcher allocates out and aux row-major: their unit column strides are specialised
+    # (Triton's launcher turns an integer argument equal to 1 into a constant).
+    constexprs.update(variant.constexprs(), **config.constexprs(), stride_on=1, stride_aux_n=1)
+    signature = _signature(fn, pointers, constexprs)
+    return _compile(fn, signature, constexprs, arch, config.num_warps, config.num_stages, aligned)
+
+
+def build_gemm(variant: GemmVariant, arch: str, config: TileConfig, family: str = "pointer") -> BuildResult:
+    kernel = _gemm_kernel(variant, arch, config, family)
+    return _result(variant.name, arch, config, kernel, FP8_MMA[arch], family)
+
+
+def gemm_ir(variant: GemmVariant, arch: str, config: TileConfig, family: str = "pointer") -> dict[str, str]:
+    """The kernel's intermediate forms by stage name (ttir, ttgir, llir, ptx), for tests that read them."""
+    kernel = _gemm_kernel(variant, arch, config, family)
+    return {stage: text for stage, text in kernel.asm.items() if isinstance(text, str)}
 
 
 def build_quantize(variant: QuantizeVariant, arch: str) -> BuildResult:
@@ -105,37 +137,54 @@ def build_quantize(variant: QuantizeVariant, arch: str) -> BuildResult:
     pointers = dict(x_ptr=_PTR[variant.in_dtype], out_ptr=_PTR[variant.out_dtype], scale_ptr="*fp32", amax_ptr="*fp32")
     signature = _signature(quantize_kernel, pointers, constexprs)
     kernel = _compile(quantize_kernel, signature, constexprs, arch, 4, 1, aligned=("C", "stride_xr", "stride_or"))
-    return _result(variant.name, arch, config, kernel, None)
+    return _result(variant.name, arch, config, kernel, None, "quantize")
 
 
-def _result(name: str, arch: str, config: TileConfig, kernel, mma: re.Pattern | None) -> BuildResult:
+# A warp-specialized kernel runs partitions as `ttg.warp_specialize` regions in its TTGIR, and
+# its PTX rebalances registers between the partitions' warp groups with `setmaxnreg`.
+_WARP_SPECIALIZED_TTGIR = re.compile(r"ttg\.warp_specialize\b")
+_TMA_LOAD = re.compile(r"cp\.async\.bulk\.tensor\.\dd\.")
+
+
+def _result(name: str, arch: str, config: TileConfig, kernel, mma: re.Pattern | None, family: str) -> BuildResult:
     ptx = kernel.asm["ptx"]
     found = mma.search(ptx) if mma is not None else None
     registers, spills = _ptxas_report(ptx, arch)
-    cfg = config.describe()
-    return BuildResult(name, arch, cfg, found.group(0) if found else None, registers, spills, kernel.metadata.shared, SHARED_MEMORY_LIMIT[arch])
+    return BuildResult(
+        name, arch, config.describe(), found.group(0) if found else None, registers, spills, kernel.metadata.shared, SHARED_MEMORY_LIMIT[arch],
+        family=family, tma=bool(_TMA_LOAD.search(ptx)), warp_specialized=bool(_WARP_SPECIALIZED_TTGIR.search(kernel.asm["ttgir"])),
+        warp_specialize_asked=bool(dict(config.extra).get("WARP_SPECIALIZE", False)),
+    )  # fmt: skip
 
 
 def _build_one(job) -> BuildResult:
-    variant, arch, config = job
+    variant, arch, config, family = job
     if isinstance(variant, QuantizeVariant):
         return build_quantize(variant, arch)
-    return build_gemm(variant, arch, config)
+    return build_gemm(variant, arch, config, family)
 
 
-def build_all(variants, archs=tuple(CAPABILITY), all_configs: bool = False, workers: int = 2) -> list[BuildResult]:
-    """Build every variant for every arch (each tile config, or the arch's first: the largest),
-    in `workers` processes. Quantize variants build once per arch."""
+def families_of(arch: str) -> tuple[str, ...]:
+    """The GEMM kernel families with tile configs for `arch`: the pointer kernel everywhere (Ada's
+    kernel, and the fallback), the TMA kernel on Hopper and Blackwell."""
+    return tuple(f for f in FAMILIES if (arch, f) in CONFIGS)
+
+
+def build_all(variants, archs=tuple(CAPABILITY), all_configs: bool = False, workers: int = 2, families: tuple | None = None) -> list[BuildResult]:
+    """Build every variant for every arch and kernel family (`families`, default: each arch's
+    `families_of`), with each tile config or the arch's first (the largest), in `workers`
+    processes. Quantize variants build once per arch."""
     from concurrent.futures import ProcessPoolExecutor
 
     jobs = []
     for variant in dict.fromkeys(variants):
         for arch in archs:
             if isinstance(variant, QuantizeVariant):
-                jobs.append((variant, arch, None))
+                jobs.append((variant, arch, None, "quantize"))
                 continue
-            configs = configs_for(arch, variant)
-            jobs += [(variant, arch, c) for c in (configs if all_configs else configs[:1])]
+            for family in families_of(arch) if families is None else [f for f in families if (arch, f) in CONFIGS]:
+                configs = configs_for(arch, variant, family)
+                jobs += [(variant, arch, c, family) for c in (configs if all_configs else configs[:1])]
     if workers <= 1:
         return [_build_one(j) for j in jobs]
     import multiprocessing
@@ -161,4 +210,4 @@ def coverage_variants() -> list:
     return gemms + quantizers
 
 
-__all__ = ["BuildResult", "build_all", "build_gemm", "build_quantize", "coverage_variants"]
+__all__ = ["BuildResult", "build_all", "build_gemm", "build_quantize", "coverage_variants", "families_of", "gemm_ir"]

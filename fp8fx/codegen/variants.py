@@ -243,7 +243,8 @@ CONFIGS: dict[tuple[str, str], tuple[TileConfig, ...]] = {
     ("sm_90a", "pointer"): _HOPPER,
     ("sm_100a", "pointer"): _HOPPER,
     ("sm_89", "pointer"): (TileConfig(128, 64, 128, 8, 4, 3), TileConfig(64, 64, 128, 8, 4, 3)),
-    ("interpreter", "pointer"): (TileConfig(16, 16, 32, 2, 1, 1),),
+    ("interpreter", "pointer"): (TileConfig(32, 32, 32, 2, 1, 1),),
+    ("interpreter", "tma"): (TileConfig(16, 32, 32, 2, 1, 1, (("EPILOGUE_SUBTILE", 2),)),),
 }
 # CUDA's grid limits: x up to 2**31 - 1 programs, y and z up to 65535.
 GRID_LIMITS = (2**31 - 1, 65535, 65535)

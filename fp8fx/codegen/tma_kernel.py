@@ -1,0 +1,166 @@
+"""The persistent TMA FP8 GEMM (Hopper and Blackwell): operands through tensor descriptors.
+
+At most one program per SM; each loops over output tiles in grouped order (`tile_position`),
+loading A [M, K] and B^T [N, K] (both K-contiguous) tile by tile through TMA tensor descriptors,
+which zero-fill reads past the tensor's edge: no masks on the operand loads, partial tiles in M, N
+and K included. The tile loop can be warp specialized (WARP_SPECIALIZE: Triton splits loads, MMAs
+and the epilogue into partitions that run concurrently) and flattened (FLATTEN: the tile and K
+loops pipelined as one loop).
+
+Accumulation, dequantization and the epilogue are the pointer kernel's (`triton_kernels`):
+`dot_accumulate`, per-K-block promotion for blockwise scales, `apply_scales` and `epilogue_store`.
+The epilogue stays pointer-based (masked stores: the output needs no alignment) and runs on
+EPILOGUE_SUBTILE column slices of the accumulator one after the other, so the registers the
+epilogue's own tiles take (bias, other, residual, aux) are those of one slice.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from fp8fx.codegen.triton_kernels import apply_scales, dot_accumulate, epilogue_store, tile_position
+
+
+@triton.jit
+def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The left and right column halves of a [BLOCK_M, BLOCK_N] tile."""
+    both = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+    return tl.split(both)
+
+
+@triton.jit
+def _k_block_scales(scale_ptr, start, k0, limit, stride_idx, stride_k, LEN: tl.constexpr, BLOCK: tl.constexpr, K_BLOCK: tl.constexpr):
+    """Scales of the LEN rows (of A) or columns (of B) from `start` (int64) at K offset k0, as a
+    [LEN] vector. A scale block covering the whole tile is one scalar load (tiles start at
+    multiples of LEN); otherwise indices past `limit` are clamped rather than masked: their
+    results are never stored, and no mask stays live across the K loop."""
+    if K_BLOCK == 0:
+        base = scale_ptr
+    else:
+        base = scale_ptr + (k0 // K_BLOCK).to(tl.int64) * stride_k
+    if BLOCK == 0:
+        s = tl.full([LEN], tl.load(base), tl.float32)
+    elif BLOCK % LEN == 0:
+        s = tl.full([LEN], tl.load(base + (start // BLOCK) * stride_idx), tl.float32)
+    else:
+        j = tl.arange(0, LEN)
+        first = base + (start // BLOCK) * stride_idx
+        s = tl.load(first + (j // BLOCK) * stride_idx, mask=j < (limit - start).to(tl.int32), other=1.0)
+    return s
+
+
+@triton.jit
+def _finish_slice(
+    acc, offs_m, offs_n, mask_m, M, N,
+    out_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, other_ptr, residual_ptr, aux_ptr, out_scale_ptr, amax_ptr,
+    stride_om, stride_on, stride_sa_row, stride_sb_col,
+    stride_xm, stride_xn, stride_rm, stride_rn, stride_aux_m, stride_aux_n,
+    A_ROW_BLOCK: tl.constexpr, B_COL_BLOCK: tl.constexpr, SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, AUX_STAGE: tl.constexpr, ACTIVATION: tl.constexpr, MUL_MODE: tl.constexpr,
+    MUL_ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_AMAX: tl.constexpr, OUT_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+):
+    """Dequantize (unless the K loop did: SCALED) and run the epilogue on one column slice."""
+    mask_n = offs_n < N
+    if not SCALED:
+        acc = apply_scales(acc, offs_m, offs_n, mask_m, mask_n, scale_a_ptr, scale_b_ptr, stride_sa_row, stride_sb_col, A_ROW_BLOCK, B_COL_BLOCK)
+    epilogue_store(
+        acc, offs_m, offs_n, mask_m, mask_n, out_ptr, bias_ptr, other_ptr, residual_ptr, aux_ptr, out_scale_ptr, amax_ptr,
+        stride_om, stride_on, stride_xm, stride_xn, stride_rm, stride_rn, stride_aux_m, stride_aux_n,
+        HAS_BIAS, AUX_STAGE, ACTIVATION, MUL_MODE, MUL_ACTIVATION, HAS_RESIDUAL, OUT_AMAX, OUT_FP8, FP8_MAX, MANTISSA_BITS, MIN_EXPONENT,
+    )  # fmt: skip
+
+
+@triton.jit
+def fp8_gemm_tma_kernel(
+    a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr,
+    bias_ptr, other_ptr, residual_ptr, aux_ptr, out_scale_ptr, amax_ptr,
+    M, N, K, M_BUCKET,
+    stride_om, stride_on,
+    stride_sa_row, stride_sa_k, stride_sb_k, stride_sb_col,
+    stride_xm, stride_xn, stride_rm, stride_rn, stride_aux_m, stride_aux_n,
+    A_ROW_BLOCK: tl.constexpr, A_K_BLOCK: tl.constexpr, B_K_BLOCK: tl.constexpr, B_COL_BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, AUX_STAGE: tl.constexpr, ACTIVATION: tl.constexpr, MUL_MODE: tl.constexpr,
+    MUL_ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_AMAX: tl.constexpr, OUT_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr, FAST_ACCUM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPILOGUE_SUBTILE: tl.constexpr = 1, WARP_SPECIALIZE: tl.constexpr = False, FLATTEN: tl.constexpr = False,
+):
+    """Persistent: program p computes tiles p, p + programs, p + 2 * programs, ... M_BUCKET is the
+    autotuner's key, not used here. EPILOGUE_SUBTILE is 1, 2 or 4 column slices."""
+    tl.static_assert(EPILOGUE_SUBTILE == 1 or EPILOGUE_SUBTILE == 2 or EPILOGUE_SUBTILE == 4)
+    PER_K_SCALES: tl.constexpr = A_K_BLOCK != 0 or B_K_BLOCK != 0
+    SLICE_N: tl.constexpr = BLOCK_N // EPILOGUE_SUBTILE
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    # The epilogue recomputes its tile from its own counter (as Triton's persistent matmul
+    # tutorial does): no value then lives from the loads' prologue into the epilogue, which lets
+    # the pipeliner and warp specialisation overlap one tile's epilogue with the next tile's loads.
+    tile_c = tl.program_id(0) - tl.num_programs(0)
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = tile_position(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        # TMA coordinates are 32-bit (rows and columns, not byte offsets); scale offsets are 64-bit.
+        row0 = pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            k0 = ki * BLOCK_K
+            a = a_desc.load([row0, k0])
+            b = b_desc.load([col0, k0]).T
+            if PER_K_SCALES:
+                # Each K-block's partial product is promoted to fp32 with its own scales.
+                sa = _k_block_scales(scale_a_ptr, row0.to(tl.int64), k0, M, stride_sa_row, stride_sa_k, BLOCK_M, A_ROW_BLOCK, A_K_BLOCK)
+                sb = _k_block_scales(scale_b_ptr, col0.to(tl.int64), k0, N, stride_sb_col, stride_sb_k, BLOCK_N, B_COL_BLOCK, B_K_BLOCK)
+                acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+            else:
+                acc = dot_accumulate(a, b, acc, FAST_ACCUM, BLOCK_K)
+
+        tile_c += tl.num_programs(0)
+        pid_m_c, pid_n_c = tile_position(tile_c, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        offs_m_c = pid_m_c.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m_c = offs_m_c < M
+        offs_n_c = pid_n_c.to(tl.int64) * BLOCK_N + tl.arange(0, SLICE_N)
+        if EPILOGUE_SUBTILE == 1:
+            slices = (acc,)
+        elif EPILOGUE_SUBTILE == 2:
+            slices = _halves(acc, BLOCK_M, BLOCK_N)
+        else:
+            left, right = _halves(acc, BLOCK_M, BLOCK_N)
+            s0, s1 = _halves(left, BLOCK_M, BLOCK_N // 2)
+            s2, s3 = _halves(right, BLOCK_M, BLOCK_N // 2)
+            slices = (s0, s1, s2, s3)
+        for s in tl.static_range(EPILOGUE_SUBTILE):
+            _finish_slice(
+                slices[s], offs_m_c, offs_n_c + s * SLICE_N, mask_m_c, M, N,
+                out_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, other_ptr, residual_ptr, aux_ptr, out_scale_ptr, amax_ptr,
+                stride_om, stride_on, stride_sa_row, stride_sb_col,
+                stride_xm, stride_xn, stride_rm, stride_rn, stride_aux_m, stride_aux_n,
+                A_ROW_BLOCK, B_COL_BLOCK, PER_K_SCALES,
+                HAS_BIAS, AUX_STAGE, ACTIVATION, MUL_MODE, MUL_ACTIVATION, HAS_RESIDUAL, OUT_AMAX, OUT_FP8, FP8_MAX, MANTISSA_BITS, MIN_EXPONENT,
+            )  # fmt: skip
+
+
+def set_block_shapes(nargs: dict) -> None:
+    """Config pre-hook: the descriptors' block shapes are the chosen config's operand tiles."""
+    nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+    nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+
+def operand_descriptors(a, bt, target: str, variant) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """Host tensor descriptors of A [M, K] and B^T [N, K] (K-contiguous, 16-byte aligned rows, as
+    `launch.rows_aligned` makes them). Their block shapes are placeholders until `set_block_shapes`
+    runs for the config the autotuner picks; reads past the edges are zero-filled."""
+    del target, variant  # every target and variant reads its operands the same way
+    return _descriptor(a), _descriptor(bt)
+
+
+def _descriptor(t) -> TensorDescriptor:
+    rows, k = t.shape
+    stride = t.stride(0)
+    if rows == 1:
+        # One row (rows_aligned leaves its stride as it is): the row stride is never applied, as
+        # every other row is out of bounds, but a descriptor's strides must be 16-byte multiples.
+        stride = -(-k * t.element_size() // 16) * 16 // t.element_size()
+    return TensorDescriptor(t, [rows, k], [stride, 1], [16, 16])

@@ -1,0 +1,144 @@
+"""The persistent TMA GEMM kernel (family "tma"), run by Triton's interpreter against the reference.
+
+Every scale granularity pair and every epilogue of test_kernels.py, with format pairs, output
+dtypes, fast_accum and shapes sampled alongside: partial tiles in M, N and K, one-row operands,
+and more tiles than the interpreter's 3 persistent programs. The interpreter config (16 x 32 x 32,
+EPILOGUE_SUBTILE=2) runs the tile loop and the epilogue's column slices.
+
+Runs only with TRITON_INTERPRET=1 set before import (tests/test_kernels.py starts it that way)."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+
+import pytest
+import torch
+
+from fp8fx.codegen import launch
+from fp8fx.codegen.variants import CONFIGS, GemmVariant, configs_for
+from fp8fx.ops import reference
+from test_kernels import E4M3, E5M2, EPILOGUES, GEMM_BLOCKS, close_as, fp8_operand
+
+pytestmark = pytest.mark.skipif(not launch.interpreter_active(), reason="needs TRITON_INTERPRET=1 before import")
+
+# (M, N, K): M in {1, 7, 40}; N = 1 makes B^T a one-row operand; K never a multiple of BLOCK_K = 32
+# except 256 (two 128-K-blocks, the blockwise recipes' promotion points); most shapes have more
+# tiles than programs, (40, 1, 200) and (1, 40, 72) fewer. 8 shapes against 7 epilogues: each
+# epilogue meets several shapes.
+SHAPES = [(1, 100, 200), (7, 100, 130), (40, 144, 256), (40, 70, 48), (7, 33, 300), (40, 1, 200), (1, 40, 72), (40, 64, 100)]
+CASES = [
+    (blocks, ep, out_dtype, shape, formats, fast_accum)
+    for (blocks, ep), out_dtype, shape, (formats, fast_accum) in zip(
+        itertools.product(GEMM_BLOCKS, EPILOGUES),
+        itertools.cycle((torch.float32, torch.bfloat16, torch.float16, E4M3)),
+        itertools.cycle(SHAPES),
+        itertools.cycle(itertools.product(((E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)), (False, True))),
+    )
+]
+
+
+def run_both(blocks, epilogue, out_dtype, shape, formats, fast_accum, seed):
+    """(kernel's (out, aux, amax), reference's) for one generated case."""
+    (m, n, k), (block_a, block_b) = shape, blocks
+    a, sa = fp8_operand((m, k), formats[0], block_a, seed)
+    b, sb = fp8_operand((k, n), formats[1], block_b, seed + 1, column_major=True)
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16) if epilogue.bias else None
+    other = torch.randn(m, n, generator=g) if epilogue.mul != "none" else None
+    residual = torch.randn(m, n, generator=g).to(torch.bfloat16) if epilogue.residual else None
+    out_scale = torch.tensor(3.0) if out_dtype == E4M3 else None
+    got = launch.fp8_gemm(
+        a, b, sa, sb, block_a=block_a, block_b=block_b, epilogue=epilogue, bias=bias, other=other, residual=residual,
+        out_scale=out_scale, out_dtype=out_dtype, aux_dtype=torch.float32, fast_accum=fast_accum, family="tma",
+    )  # fmt: skip
+    ref = reference.fp8_gemm(
+        a, b, sa, sb, bias, other, residual, out_scale, out_dtype, torch.float32, list(block_a), list(block_b), epilogue.spec(), "scaled_mm", fast_accum
+    )
+    return got, ref
+
+
+def _case_id(v):
+    if hasattr(v, "spec"):
+        return v.spec() or "plain"
+    return str(v).replace("torch.", "").replace("float8_", "")
+
+
+@pytest.mark.parametrize("blocks,epilogue,out_dtype,shape,formats,fast_accum", CASES, ids=_case_id)
+def test_tma_gemm_matches_reference(blocks, epilogue, out_dtype, shape, formats, fast_accum):
+    seed = hash((blocks, epilogue.spec(), shape)) % 1000
+    (out, aux, amax), (ref_out, ref_aux, ref_amax) = run_both(blocks, epilogue, out_dtype, shape, formats, fast_accum, seed)
+    assert out.shape == shape[:2] and out.dtype == out_dtype
+    close_as(out, ref_out)
+    if epilogue.aux != "none":
+        close_as(aux, ref_aux)
+    else:
+        assert aux is None
+    if epilogue.out_amax:
+        torch.testing.assert_close(amax, ref_amax, rtol=1e-6, atol=0)
+    else:
+        assert amax is None
+
+
+def test_cases_cover_the_sampled_dimensions():
+    """The sampling above reaches every value it is meant to (a guard against a zip that stops short)."""
+    assert {c[0] for c in CASES} == set(GEMM_BLOCKS) and len({c[1] for c in CASES}) == len(EPILOGUES)
+    assert {c[2] for c in CASES} == {torch.float32, torch.bfloat16, torch.float16, E4M3}
+    assert {c[3] for c in CASES} == set(SHAPES) and {c[3][0] for c in CASES} == {1, 7, 40}
+    assert {c[4] for c in CASES} == {(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)} and {c[5] for c in CASES} == {False, True}
+    (config,) = CONFIGS["interpreter", "tma"]
+    tiles = [-(-m // config.block_m) * -(-n // config.block_n) for m, n, _ in SHAPES]
+    assert max(tiles) > launch.INTERPRETER_SMS and min(tiles) < launch.INTERPRETER_SMS
+    assert all(k % config.block_k for _, _, k in SHAPES if k != 256)
+    assert dict(config.extra).get("EPILOGUE_SUBTILE", 1) > 1
+
+
+def test_pre_hook_sets_the_chosen_configs_block_shapes(monkeypatch):
+    """The autotuner's config pre-hook runs under the interpreter too (one code path): the
+    descriptors the launcher made with placeholder block shapes carry the config's tiles."""
+    made = []
+
+    def capture(*args):
+        descs = launch_descriptors(*args)
+        made.extend(descs)
+        return descs
+
+    launch_descriptors = launch._descriptors
+    monkeypatch.setattr(launch, "_descriptors", capture)
+    blocks = ((1, 128), (128, 128))
+    run_both(blocks, EPILOGUES[0], torch.bfloat16, (7, 100, 130), (E4M3, E4M3), False, seed=5)
+    variant = GemmVariant(E4M3, E4M3, *blocks)
+    (config,) = configs_for("interpreter", variant, "tma")
+    a_desc, b_desc = made
+    assert a_desc.block_shape == [config.block_m, config.block_k]
+    assert b_desc.block_shape == [config.block_n, config.block_k]
+    assert (a_desc.shape, b_desc.shape) == ([7, 130], [100, 130])
+
+
+def test_one_row_operands_get_an_aligned_descriptor_stride():
+    """rows_aligned leaves a one-row operand's stride as it is; a descriptor needs 16-byte strides."""
+    from fp8fx.codegen.tma_kernel import operand_descriptors
+
+    a = torch.zeros(1, 50, dtype=E4M3)
+    bt = launch.rows_aligned(torch.zeros(50, 3, dtype=E4M3).t())
+    a_desc, b_desc = operand_descriptors(launch.rows_aligned(a), bt, "interpreter", None)
+    assert a_desc.strides == [64, 1] and a_desc.shape == [1, 50]
+    assert b_desc.strides == [bt.stride(0), 1] and bt.stride(0) % 16 == 0
+
+
+def test_tma_kernel_takes_the_pointer_kernels_arguments():
+    """The launcher's contract: the pointer kernel's arguments with descriptors for the operand
+    pointers and without their strides, then the config's constexprs."""
+    from fp8fx.codegen.tma_kernel import fp8_gemm_tma_kernel
+    from fp8fx.codegen.triton_kernels import fp8_gemm_kernel
+
+    pointer = [n.replace("a_ptr", "a_desc").replace("b_ptr", "b_desc") for n in fp8_gemm_kernel.arg_names]
+    pointer = [n for n in pointer if n not in ("stride_am", "stride_ak", "stride_bk", "stride_bn")]
+    tma = fp8_gemm_tma_kernel.arg_names
+    assert tma[: len(pointer)] == pointer
+    extra = set(tma[len(pointer) :])
+    defaults = {p.name for p in inspect.signature(fp8_gemm_tma_kernel.fn).parameters.values() if p.default is not inspect.Parameter.empty}
+    assert extra == defaults  # every extra constexpr has a default: configs set only what they change
+    for (target, family), configs in CONFIGS.items():
+        if family == "tma":
+            assert all(dict(c.extra).keys() <= extra for c in configs), target
