@@ -21,6 +21,8 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import fp8fx.ops  # noqa: F401  (registers the fp8fx::* operators)
+from fp8fx.codegen.dispatch import triton_available
+from fp8fx.codegen.variants import device_target
 from fp8fx.monitor import Monitor
 from fp8fx.numerics import NumericsCollector
 from fp8fx.shadow import ShadowChecks
@@ -82,7 +84,7 @@ def _graph_kind(gm: fx.GraphModule) -> str:
     return "training" if is_joint else "inference"
 
 
-KERNELS = ("auto", "triton", "scaled_mm")
+KERNELS = ("auto", "triton", "scaled_mm")  # see fp8fx.codegen.dispatch.choose_kernel
 FUSABLE_ACTIVATIONS = (torch.ops.aten.gelu.default, torch.ops.aten.silu.default)
 
 
@@ -102,6 +104,8 @@ class Fp8fxBackend:
             raise ValueError(f"fp8fx.backend: inner must be one of {', '.join(INNER_COMPILERS)}, got {inner!r}")
         if kernels not in KERNELS:
             raise ValueError(f"fp8fx.backend: kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
+        if kernels == "triton" and not triton_available():
+            raise RuntimeError("fp8fx.backend(kernels='triton') needs Triton, which is not installed here; use kernels='auto'")
         self.fuse_epilogues = fuse_epilogues
         self.kernels = kernels
         self.policy = policy = as_policy(policy, "fp8fx.backend")
@@ -156,6 +160,8 @@ class Fp8fxBackend:
 
     def _build(self, gm: fx.GraphModule, example_inputs: list[Any]):
         _refuse_dtensors(example_inputs)
+        for device in {x.device for x in example_inputs if isinstance(x, torch.Tensor) and x.device.type == "cuda"}:
+            device_target(device)  # one clear error for a ROCm GPU or one without FP8 tensor cores
         positions = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.nn.Parameter)]
         param_objs = [example_inputs[i] for i in positions]
         rewrite = _Rewrite(self, [weakref.ref(p) for p in param_objs])

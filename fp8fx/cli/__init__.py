@@ -329,7 +329,7 @@ def policy_init(
 def selftest(
     out: Path | None = typer.Option(None, "--out", help="Where to write the JSON results (default: fp8fx-selftest-<device>.json in this directory)."),
     no_table: bool = typer.Option(False, "--no-table", help="Do not write the measured dispatch table that kernels='auto' reads (GPU only)."),
-    quick: bool = typer.Option(False, "--quick", help="Time 15 GEMM shapes instead of all of bench/gemm_gpu.py's (GPU only)."),
+    quick: bool = typer.Option(False, "--quick", help="Time 12 GEMM shapes instead of bench/gemm_gpu.py's 53 (GPU only)."),
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks."),
 ) -> None:
     """Check fp8fx's kernels on this machine's GPU against the CPU reference and time them.
