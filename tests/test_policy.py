@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -172,6 +173,9 @@ BAD_FILES = {
                            "rules[0].gemms.bogus", 6, "unknown GEMM 'bogus'"),
     "bad_op_flow": ("version: 1\nrules:\n  - match: x\n    op: [mm, conv]\n", "rules[0].op[1]", 4, "expected mm|addmm|bmm|baddbmm, got 'conv'"),
     "bad_op_block": ("version: 1\ndefaults:\n  ops:\n    - mm\n    - conv\n", "defaults.ops[1]", 5, "got 'conv'"),
+    "fast_accum_value": ("version: 1\ndefaults:\n  fast_accum: {dgrad: yes please}\n", "defaults.fast_accum.dgrad", 3, "expected true or false"),
+    "fast_accum_role": ("version: 1\nrules:\n  - match: x\n    fast_accum:\n      xgrad: true\n", "rules[0].fast_accum.xgrad", 5, "unknown GEMM 'xgrad'"),
+    "fast_accum_list": ("version: 1\ndefaults:\n  fast_accum: [fprop]\n", "defaults.fast_accum", 3, "expected a mapping"),
     "yaml_syntax": ("version: 1\ndefaults:\n  format: e4m3\n    scaling: dynamic\n", "<yaml>", 4, "not valid YAML"),
     "duplicate_key": ("version: 1\ndefaults:\n  format: e4m3\n  format: e5m2\n", "defaults.format", 4, "key given twice"),
 }
@@ -268,3 +272,23 @@ def test_precision_level_is_a_top_level_key(spelling):
     policy = fp8fx.policy_from_yaml(f"version: 1\nlevel: {spelling}\n")
     assert policy.level is fp8fx.policy.Level.O2 and policy.to_dict()["level"] == "O2"
     assert fp8fx.policy_from_yaml("version: 1\n").level is None
+
+
+def test_fast_accum_defaults_merge_and_reach_the_report():
+    """TransformerEngine's defaults (fprop fast, dgrad and wgrad promoted), TE's names accepted, a
+    rule merging per GEMM, and each FP8 GEMM's record saying which it got."""
+    from helpers import GatedBlock, compile_captured
+
+    assert fp8fx.Policy().defaults.fast_accum == fp8fx.FastAccum(output=True, grad_input=False, grad_weight=False)
+    policy = fp8fx.policy_from_yaml("version: 1\ndefaults:\n  fast_accum: {dgrad: true}\nrules:\n  - match: up\n    fast_accum: {fprop: false}\n")
+    assert policy.defaults.fast_accum == fp8fx.FastAccum(True, True, False)
+    assert policy.resolve(("up", "up"), "mm").settings.fast_accum == fp8fx.FastAccum(False, True, False)
+    assert policy.to_dict()["rules"][0]["fast_accum"] == {"output": False}
+    cap = compile_captured(GatedBlock(), policy)
+    cap.compiled(torch.randn(2, 8, 64, requires_grad=True)).sum().backward()
+    ops = cap.report.fp8_ops
+    assert {(op.site, op.role): op.fast_accum for op in ops} == {
+        (op.site, op.role): {"output": op.site != "up", "grad_input": True, "grad_weight": False}[op.role] for op in ops
+    }
+    variants = [n.meta["fp8fx"]["variant"] for g in cap.forward + cap.backward for n in g.graph.nodes if "variant" in n.meta.get("fp8fx", {})]
+    assert sorted(v.fast_accum for v in variants) == sorted(op.fast_accum for op in ops)
