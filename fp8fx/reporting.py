@@ -155,6 +155,15 @@ def mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def _gpu_text(op: OpRecord) -> str:
+    """What runs an FP8 GEMM on a GPU, why, and how Hopper accumulates it (for the reason column)."""
+    if op.gpu_kernel is None:
+        return ""
+    kernel = "generated kernel" if op.gpu_kernel == "triton" else "torch._scaled_mm"
+    accumulation = "fast accumulation" if op.fast_accum else "split accumulation"
+    return f"; GPU: {kernel} ({op.gpu_kernel_reason}), {accumulation}"
+
+
 def _scaling_text(op: OpRecord) -> str:
     """e.g. "dynamic tensorwise", "delayed h1024 max scale=224,57344"."""
     if op.precision != "fp8":
@@ -261,7 +270,7 @@ class Report:
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
-    _COLUMNS = ("graph", "site", "op", "role", "M", "N", "K", "FLOP %", "prec", "formats", "scaling", "accum", "epilogue", "kernel", "passes +/-")
+    _COLUMNS = ("graph", "site", "op", "role", "M", "N", "K", "FLOP %", "prec", "formats", "scaling", "epilogue", "passes +/-")
 
     def columns(self) -> tuple[str, ...]:
         extra = (("fp8/bf16 x",) if self.step else ()) + (("SQNR dB",) if any(op.numerics for op in self.ops) else ())
@@ -283,9 +292,7 @@ class Report:
                 op.precision,
                 "x".join(op.formats) if op.formats else "-",
                 _scaling_text(op),
-                "-" if op.fast_accum is None else ("fast" if op.fast_accum else "split"),
                 op.epilogue or "-" if op.precision == "fp8" else "-",
-                op.gpu_kernel or "-",
                 f"+{op.memory_passes_added}/-{op.memory_passes_saved}" if op.memory_passes_added is not None else "-",
             ]
             if self.step:  # "!": predicted slower in FP8 than BF16
@@ -293,7 +300,7 @@ class Report:
             if any(o.numerics for o in self.ops):
                 sqnr = op.numerics.sqnr_db if op.numerics else None
                 row.append("-" if sqnr is None else f"{sqnr:.1f}")
-            rows.append((*row, op.reason))
+            rows.append((*row, op.reason + _gpu_text(op)))
         return rows
 
     def summary_lines(self) -> list[str]:
@@ -307,8 +314,8 @@ class Report:
             f"FP8 share of GEMM FLOPs: forward {pct(s['fp8_flop_share_forward'])}, backward {pct(s['fp8_flop_share_backward'])}"
         ]
         if s["gpu_kernels"]:
-            names = {"triton": "generated Triton kernel", "scaled_mm": "torch._scaled_mm"}
-            lines.append("on a GPU: " + ", ".join(f"{v} {names.get(k, k)}" for k, v in sorted(s["gpu_kernels"].items())))
+            names = {"triton": "by the generated Triton kernel", "scaled_mm": "by torch._scaled_mm"}
+            lines.append("FP8 GEMMs on a GPU: " + ", ".join(f"{v} {names.get(k, k)}" for k, v in sorted(s["gpu_kernels"].items())))
         if s["fallbacks_by_reason"]:
             lines.append("kept high: " + ", ".join(f"{k} {v}" for k, v in sorted(s["fallbacks_by_reason"].items())))
         if s["non_finite_amax_events"]:
