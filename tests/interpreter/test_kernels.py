@@ -106,6 +106,7 @@ CASES = [
 
 @pytest.mark.parametrize("blocks,epilogue,out_dtype,formats", CASES, ids=lambda v: getattr(v, "spec", lambda: str(v))() or "plain")
 def test_gemm_variant_matches_reference(blocks, epilogue, out_dtype, formats):
+    """The pointer kernel (Ada's, and the fallback); tests/interpreter/test_tma.py runs the TMA one."""
     m, n, k = 40, 144, 256  # partial tiles in M and N, two 128-K-blocks
     (block_a, block_b), seed = blocks, hash((blocks, epilogue.spec())) % 1000
     a, sa = fp8_operand((m, k), formats[0], block_a, seed)
@@ -117,7 +118,7 @@ def test_gemm_variant_matches_reference(blocks, epilogue, out_dtype, formats):
     out_scale = torch.tensor(3.0) if out_dtype == E4M3 else None
     out, aux, amax = launch.fp8_gemm(
         a, b, sa, sb, block_a=block_a, block_b=block_b, epilogue=epilogue, bias=bias, other=other, residual=residual,
-        out_scale=out_scale, out_dtype=out_dtype, aux_dtype=torch.float32,
+        out_scale=out_scale, out_dtype=out_dtype, aux_dtype=torch.float32, family="pointer",
     )  # fmt: skip
     ref_out, ref_aux, ref_amax = reference.fp8_gemm(
         a, b, sa, sb, bias, other, residual, out_scale, out_dtype, torch.float32, list(block_a), list(block_b), epilogue.spec(), "scaled_mm", False

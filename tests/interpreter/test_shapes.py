@@ -39,19 +39,20 @@ def laid_out(x: torch.Tensor, layout: str) -> torch.Tensor:
 BLOCKS = [((), ()), ((1, 0), (0, 1)), ((1, 128), (128, 128)), ((1, 128), (128, 1))]
 SHAPES = [(1, 16, 16), (7, 24, 14), (15, 5, 33), (17, 1, 48), (127, 40, 130), (40, 16, 1)]
 CASES = [
-    (shape, blocks, la, lb, fmts)
-    for shape, blocks, la, lb, fmts in zip(
+    (shape, blocks, la, lb, fmts, family)
+    for shape, blocks, la, lb, fmts, family in zip(
         SHAPES * 4,
         itertools.cycle(BLOCKS),
         itertools.cycle(LAYOUTS),
         itertools.cycle(LAYOUTS[::-1] + LAYOUTS[1:2]),
         itertools.cycle(((E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2))),
+        itertools.cycle(("tma", "pointer", "pointer", "tma", "tma")),
     )
 ]
 
 
-@pytest.mark.parametrize("shape,blocks,layout_a,layout_b,formats", CASES, ids=lambda v: str(v))
-def test_launcher_takes_any_shape_and_layout(shape, blocks, layout_a, layout_b, formats):
+@pytest.mark.parametrize("shape,blocks,layout_a,layout_b,formats,family", CASES, ids=lambda v: str(v))
+def test_launcher_takes_any_shape_and_layout(shape, blocks, layout_a, layout_b, formats, family):
     m, n, k = shape
     (block_a, block_b), seed = blocks, m * 131 + n * 7 + k
     a, sa = fp8_operand((m, k), formats[0], block_a, seed)
@@ -59,7 +60,7 @@ def test_launcher_takes_any_shape_and_layout(shape, blocks, layout_a, layout_b, 
     a, b = laid_out(a, layout_a), laid_out(b, layout_b)
     ep = fp8fx.codegen.variants.Epilogue(bias=True, activation="gelu")
     bias = torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
-    out, _, _ = launch.fp8_gemm(a, b, sa, sb, block_a=block_a, block_b=block_b, epilogue=ep, bias=bias, out_dtype=torch.float32)
+    out, _, _ = launch.fp8_gemm(a, b, sa, sb, block_a=block_a, block_b=block_b, epilogue=ep, bias=bias, out_dtype=torch.float32, family=family)
     ref, _, _ = reference.fp8_gemm(
         a.contiguous(), b.contiguous(), sa, sb, bias, None, None, None, torch.float32, torch.float32, list(block_a), list(block_b), ep.spec(), "scaled_mm", False
     )
@@ -68,10 +69,11 @@ def test_launcher_takes_any_shape_and_layout(shape, blocks, layout_a, layout_b, 
 
 def test_empty_gemms_are_not_refused():
     one = torch.tensor(1.0)
-    for m, n, k in ((0, 16, 16), (16, 0, 16), (16, 16, 0)):
+    for (m, n, k), family in itertools.product(((0, 16, 16), (16, 0, 16), (16, 16, 0)), ("pointer", "tma")):
         a = torch.zeros(m, k).to(E4M3)
         b = torch.zeros(k, n).to(E4M3)
-        out, _, amax = launch.fp8_gemm(a, b, one, one, epilogue=fp8fx.codegen.variants.Epilogue(out_amax=True), out_dtype=torch.float32)
+        ep = fp8fx.codegen.variants.Epilogue(out_amax=True)
+        out, _, amax = launch.fp8_gemm(a, b, one, one, epilogue=ep, out_dtype=torch.float32, family=family)
         assert out.shape == (m, n) and not out.any() and amax.item() == 0.0
 
 
