@@ -334,11 +334,11 @@ def selftest(
 ) -> None:
     """Check fp8fx's kernels on this machine's GPU against the CPU reference and time them.
 
-    Runs every kernel variant a small transformer's training step generates (tensorwise, rowwise,
-    blockwise) through the generated kernels and torch._scaled_mm, compares a compiled training
-    step with kernels='scaled_mm', times GEMMs and a block against BF16, and writes one JSON file
-    and the dispatch table. Without a GPU: offline builds and Triton's interpreter. Exit code 1 if
-    a correctness check failed."""
+    Every kernel variant of a small transformer's training step runs through
+    the generated kernels and torch._scaled_mm; a compiled training step is
+    compared with kernels='scaled_mm'; GEMMs and a block are timed against
+    BF16. Writes one JSON file and the dispatch table. Without a GPU: offline
+    builds and Triton's interpreter. Exit code 1 if a check failed."""
     from fp8fx.selftest import SelftestError, check_output_path, default_output, gpu_status, run
 
     try:
@@ -372,6 +372,21 @@ _CHECK_LABELS = {
 }
 
 
+def _why_failed(c: dict) -> str:
+    if c.get("error"):
+        return c["error"]
+    if c["kind"] == "build":
+        return f"{c['spill_bytes']} spill bytes, shared memory {c['shared_bytes']}/{c['shared_limit']}, FP8 MMA {c['fp8_mma'] or 'missing'}"
+    if c["kind"] == "step":
+        return f"min SQNR {c['min_sqnr_db']} dB"
+    parts = []  # a GEMM: its failing outputs
+    for name, v in c.items():
+        if isinstance(v, dict) and v.get("passed") is False:
+            detail = v.get("error") or (f"SQNR {v['sqnr_db']} dB" if "sqnr_db" in v else f"relative error {v.get('rel_err')}")
+            parts.append(f"{name} {detail}")
+    return ", ".join(parts)
+
+
 def _selftest_lines(result) -> list[str]:
     """The summary of a self-test: one line per group of checks, each failure, timings, files."""
     data = result.data
@@ -388,12 +403,7 @@ def _selftest_lines(result) -> list[str]:
         if not c["passed"]:
             what = " ".join(str(c[key]) for key in ("variant", "arch", "recipe", "kernels", "path") if c.get(key))
             shape = f" {c['m']}x{c['n']}x{c['k']}" if "m" in c else ""
-            why = c.get("error") or ", ".join(f"{part} {v.get('sqnr_db')} dB" for part, v in c.items() if isinstance(v, dict) and v.get("passed") is False)
-            if c["kind"] == "build" and not c.get("error"):
-                why = f"{c['spill_bytes']} spill bytes, shared {c['shared_bytes']}/{c['shared_limit']}, FP8 MMA {c['fp8_mma']}"
-            elif c["kind"] == "step" and not c.get("error"):
-                why = f"min SQNR {c['min_sqnr_db']} dB"
-            lines.append(f"  FAILED {c['kind']} {what}{shape}: {why}")
+            lines.append(f"  FAILED {c['kind']} {what}{shape}: {_why_failed(c)}")
     speed = data.get("speed")
     if speed:
         for role, s in speed["summary"].items():

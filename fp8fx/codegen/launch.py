@@ -154,6 +154,7 @@ def fp8_gemm(
             raise ValueError(f"fp8fx FP8 GEMM: epilogue {epilogue.spec() or 'plain'!r} {'needs' if wanted else 'takes no'} {name}")
         if t is not None:
             _check_shape(name, t, shape)
+    scale_inv_a, scale_inv_b = scale_inv_a.contiguous(), scale_inv_b.contiguous()  # unit inner stride, as the kernels are built
     target = device_target(device)
     family = family or DEFAULT_FAMILY[target]
     if k == 0:

@@ -1,10 +1,12 @@
 """Build the generated kernels for real GPUs without one: PTX and SASS for sm_89, sm_90a, sm_100a.
 
-Triton compiles for any target on the CPU (it ships ptxas). For each variant and tile config this
-module compiles the kernel, then reads what a GPU engineer would check: the FP8 tensor-core
-instruction in the PTX (`mma ... e4m3` on Ada, `wgmma.mma_async ... e4m3` on Hopper,
-`tcgen05.mma ... f8f6f4` on Blackwell), register use and spills from ptxas, and shared memory
-against the architecture's per-block limit.
+Triton compiles for any target on the CPU (it ships ptxas). For each variant, tile config and GEMM
+kernel family (`pointer`: `triton_kernels.fp8_gemm_kernel`; `tma`: the persistent
+`tma_kernel.fp8_gemm_tma_kernel`, Hopper and Blackwell) this module compiles the kernel, then reads
+what a GPU engineer would check: the FP8 tensor-core instruction in the PTX (`mma ... e4m3` on Ada,
+`wgmma.mma_async ... e4m3` on Hopper, `tcgen05.mma ... f8f6f4` on Blackwell), register use and
+spills from ptxas, shared memory against the architecture's per-block limit, TMA loads
+(`cp.async.bulk.tensor`) and warp specialization.
 """
 
 from __future__ import annotations
@@ -112,9 +114,15 @@ def _gemm_kernel(variant: GemmVariant, arch: str, config: TileConfig, family: st
         pointers["b_desc"] = f"tensordesc<{_PTR[variant.b_dtype][1:]}[{config.block_n}, {config.block_k}]>"
     else:
         raise ValueError(f"fp8fx: unknown kernel family {family!r}; expected pointer or tma")
-    # The launcher allocates out and aux row-major: their unit column strides are specialised
-    # (Triton's launcher turns an integer argument equal to 1 into a constant).
+    # Unit strides the launcher guarantees are specialised, as Triton's launcher turns an integer
+    # argument equal to 1 into a constant: out and aux are allocated row-major, and block-scale
+    # tensors are contiguous ([M / rows, K / k] and [K / k, N / cols]: unit stride along K for A's,
+    # along N for B's). Per-K-block column scales need the latter to stay out of spills.
     constexprs.update(variant.constexprs(), **config.constexprs(), stride_on=1, stride_aux_n=1)
+    if variant.block_a:
+        constexprs["stride_sa_k"] = 1
+    if variant.block_b:
+        constexprs["stride_sb_col"] = 1
     signature = _signature(fn, pointers, constexprs)
     return _compile(fn, signature, constexprs, arch, config.num_warps, config.num_stages, aligned)
 
@@ -140,8 +148,9 @@ def build_quantize(variant: QuantizeVariant, arch: str) -> BuildResult:
     return _result(variant.name, arch, config, kernel, None, "quantize")
 
 
-# A warp-specialized kernel runs partitions as `ttg.warp_specialize` regions in its TTGIR, and
-# its PTX rebalances registers between the partitions' warp groups with `setmaxnreg`.
+# Warp specialization is read from the TTGIR: the partitions are the regions of a
+# `ttg.warp_specialize` op (its PTX then rebalances registers between them with `setmaxnreg`:
+# 10 of them in the sm_100a kernel; a config asking for it on Hopper gets neither).
 _WARP_SPECIALIZED_TTGIR = re.compile(r"ttg\.warp_specialize\b")
 _TMA_LOAD = re.compile(r"cp\.async\.bulk\.tensor\.\dd\.")
 

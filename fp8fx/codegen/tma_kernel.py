@@ -4,8 +4,9 @@ At most one program per SM; each loops over output tiles in grouped order (`tile
 loading A [M, K] and B^T [N, K] (both K-contiguous) tile by tile through TMA tensor descriptors,
 which zero-fill reads past the tensor's edge: no masks on the operand loads, partial tiles in M, N
 and K included. The tile loop can be warp specialized (WARP_SPECIALIZE: Triton splits loads, MMAs
-and the epilogue into partitions that run concurrently) and flattened (FLATTEN: the tile and K
-loops pipelined as one loop).
+and the epilogue into partitions that run concurrently; Blackwell only: Triton 3.9's Hopper pass
+fails on this loop with 4 warps and leaves it as it is with 8) and flattened (FLATTEN: the tile
+and K loops pipelined as one loop, what Hopper uses instead).
 
 Accumulation, dequantization and the epilogue are the pointer kernel's (`triton_kernels`):
 `dot_accumulate`, per-K-block promotion for blockwise scales, `apply_scales` and `epilogue_store`.
@@ -32,22 +33,24 @@ def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _k_block_scales(scale_ptr, start, k0, limit, stride_idx, stride_k, LEN: tl.constexpr, BLOCK: tl.constexpr, K_BLOCK: tl.constexpr):
-    """Scales of the LEN rows (of A) or columns (of B) from `start` (int64) at K offset k0, as a
-    [LEN] vector. A scale block covering the whole tile is one scalar load (tiles start at
-    multiples of LEN); otherwise indices past `limit` are clamped rather than masked: their
-    results are never stored, and no mask stays live across the K loop."""
+    """Scales of the LEN rows (of A) or columns (of B) from `start` (int64, a multiple of LEN) at
+    K offset k0, as a [LEN] vector (1 past `limit`). A scale block covering the tile is one scalar
+    load; blocks that tile it are addressed from the tile's first block, so the per-element part
+    of the offset is the in-tile index (what stays live across the K loop is smaller)."""
     if K_BLOCK == 0:
         base = scale_ptr
     else:
         base = scale_ptr + (k0 // K_BLOCK).to(tl.int64) * stride_k
+    j = tl.arange(0, LEN)
     if BLOCK == 0:
         s = tl.full([LEN], tl.load(base), tl.float32)
     elif BLOCK % LEN == 0:
         s = tl.full([LEN], tl.load(base + (start // BLOCK) * stride_idx), tl.float32)
-    else:
-        j = tl.arange(0, LEN)
+    elif LEN % BLOCK == 0:
         first = base + (start // BLOCK) * stride_idx
-        s = tl.load(first + (j // BLOCK) * stride_idx, mask=j < (limit - start).to(tl.int32), other=1.0)
+        s = tl.load(first + (j // BLOCK).to(tl.int64) * stride_idx, mask=j < (limit - start).to(tl.int32), other=1.0)
+    else:
+        s = tl.load(base + ((start + j) // BLOCK) * stride_idx, mask=start + j < limit, other=1.0)
     return s
 
 

@@ -223,7 +223,7 @@ class TileConfig:
 GPU_TARGETS = ("sm_89", "sm_90a", "sm_100a")
 TARGETS = (*GPU_TARGETS, "interpreter")
 FAMILIES = ("pointer", "tma")
-DEFAULT_FAMILY = {"sm_89": "pointer", "sm_90a": "pointer", "sm_100a": "pointer", "interpreter": "pointer"}
+DEFAULT_FAMILY = {"sm_89": "pointer", "sm_90a": "tma", "sm_100a": "tma", "interpreter": "tma"}
 
 # Tile configs per target and family, largest first; each one is compiled on the CPU for every
 # variant in the tests, which check that it uses FP8 tensor cores, does not spill and fits shared
@@ -244,7 +244,22 @@ CONFIGS: dict[tuple[str, str], tuple[TileConfig, ...]] = {
     ("sm_100a", "pointer"): _HOPPER,
     ("sm_89", "pointer"): (TileConfig(128, 64, 128, 8, 4, 3), TileConfig(64, 64, 128, 8, 4, 3)),
     ("interpreter", "pointer"): (TileConfig(32, 32, 32, 2, 1, 1),),
-    ("interpreter", "tma"): (TileConfig(16, 32, 32, 2, 1, 1, (("EPILOGUE_SUBTILE", 2),)),),
+    # Persistent TMA kernel (fp8fx.codegen.tma_kernel): the epilogue runs on 4 (2) column slices
+    # of 128 x 128 (128 x 64) tiles, which keeps every coverage variant out of spills; 128 x 256
+    # tiles spill (blockwise promotion holds two 128-value tiles per thread). Blackwell warp-
+    # specializes the tile loop; Triton 3.9 does not on Hopper (its pass fails on this kernel with
+    # 4 warps, does nothing with 8), which flattens the loop instead: that frees the registers
+    # its 128 x 128 tiles need.
+    ("sm_100a", "tma"): (
+        TileConfig(128, 128, 128, 8, 8, 4, (("EPILOGUE_SUBTILE", 4), ("WARP_SPECIALIZE", True))),
+        TileConfig(128, 128, 128, 8, 8, 4, (("EPILOGUE_SUBTILE", 4),)),
+        TileConfig(128, 64, 128, 8, 8, 4, (("EPILOGUE_SUBTILE", 2), ("WARP_SPECIALIZE", True))),
+    ),
+    ("sm_90a", "tma"): (
+        TileConfig(128, 128, 128, 8, 8, 4, (("EPILOGUE_SUBTILE", 4), ("FLATTEN", True))),
+        TileConfig(128, 64, 128, 8, 8, 4, (("EPILOGUE_SUBTILE", 2),)),
+    ),
+    ("interpreter", "tma"): (TileConfig(32, 32, 32, 2, 1, 1, (("EPILOGUE_SUBTILE", 2),)),),
 }
 # CUDA's grid limits: x up to 2**31 - 1 programs, y and z up to 65535.
 GRID_LIMITS = (2**31 - 1, 65535, 65535)
@@ -277,9 +292,12 @@ def device_target(device: torch.device) -> str:
 def configs_for(target: str, variant: GemmVariant, family: str | None = None) -> tuple[TileConfig, ...]:
     """Configs of `target` usable for `variant`: with K-block scales, BLOCK_K must divide the K-block."""
     configs = CONFIGS[target, family or DEFAULT_FAMILY[target]]
-    if target != "interpreter" and (variant.epilogue.mul != "none" or variant.epilogue.residual):
-        # Epilogues that load full tiles of other tensors hold them in registers beside the
-        # accumulator: at most 32 accumulator values per thread keeps them from spilling.
+    e = variant.epilogue
+    if target != "interpreter" and (e.mul != "none" or e.residual or (e.activation != "none" and e.aux != "none")):
+        # Epilogues that load full tiles of other tensors, or keep a value beside its activation,
+        # hold a second tile in registers beside the accumulator: at most 32 accumulator values per
+        # thread keeps them from spilling (bias + GELU + pre-activation aux spilled 8-20 bytes at
+        # 128x64 on sm_89 and 128x128 on sm_100a with the pointer kernel).
         configs = tuple(c for c in configs if c.block_m * c.block_n <= 32 * 32 * c.num_warps * c.constexprs().get("EPILOGUE_SUBTILE", 1))
     k_block = variant.k_block
     if k_block:

@@ -2,7 +2,7 @@
 
 Every scale granularity pair and every epilogue of test_kernels.py, with format pairs, output
 dtypes, fast_accum and shapes sampled alongside: partial tiles in M, N and K, one-row operands,
-and more tiles than the interpreter's 3 persistent programs. The interpreter config (16 x 32 x 32,
+and more tiles than the interpreter's 3 persistent programs. The interpreter config (32 x 32 x 32,
 EPILOGUE_SUBTILE=2) runs the tile loop and the epilogue's column slices.
 
 Runs only with TRITON_INTERPRET=1 set before import (tests/test_kernels.py starts it that way)."""
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import zlib
 
 import pytest
 import torch
@@ -20,22 +21,35 @@ from fp8fx.codegen.variants import CONFIGS, GemmVariant, configs_for
 from fp8fx.ops import reference
 from test_kernels import E4M3, E5M2, EPILOGUES, GEMM_BLOCKS, close_as, fp8_operand
 
-pytestmark = pytest.mark.skipif(not launch.interpreter_active(), reason="needs TRITON_INTERPRET=1 before import")
+pytestmark = [
+    pytest.mark.skipif(not launch.interpreter_active(), reason="needs TRITON_INTERPRET=1 before import"),
+    # gelu_tanh's exp(2 x) overflows to inf for large x in numpy, and 2 / inf = 0 gives the right tanh
+    pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
+]
 
 # (M, N, K): M in {1, 7, 40}; N = 1 makes B^T a one-row operand; K never a multiple of BLOCK_K = 32
 # except 256 (two 128-K-blocks, the blockwise recipes' promotion points); most shapes have more
-# tiles than programs, (40, 1, 200) and (1, 40, 72) fewer. 8 shapes against 7 epilogues: each
-# epilogue meets several shapes.
+# tiles than programs, a few fewer. 8 shapes against 7 epilogues: each epilogue meets several.
 SHAPES = [(1, 100, 200), (7, 100, 130), (40, 144, 256), (40, 70, 48), (7, 33, 300), (40, 1, 200), (1, 40, 72), (40, 64, 100)]
-CASES = [
-    (blocks, ep, out_dtype, shape, formats, fast_accum)
-    for (blocks, ep), out_dtype, shape, (formats, fast_accum) in zip(
-        itertools.product(GEMM_BLOCKS, EPILOGUES),
-        itertools.cycle((torch.float32, torch.bfloat16, torch.float16, E4M3)),
-        itertools.cycle(SHAPES),
-        itertools.cycle(itertools.product(((E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)), (False, True))),
-    )
-]
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, E4M3)
+FORMATS = ((E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2))
+
+
+def _sampled(shift: int) -> list:
+    """Every (scale blocks, epilogue) pair once, with output dtype, shape, formats and fast_accum
+    cycling beside it; `shift` starts the cycles elsewhere, so a second pass meets other pairings."""
+    return [
+        (blocks, ep, out_dtype, shape, formats, fast_accum)
+        for (blocks, ep), out_dtype, shape, (formats, fast_accum) in zip(
+            itertools.product(GEMM_BLOCKS, EPILOGUES),
+            itertools.islice(itertools.cycle(OUT_DTYPES), shift, None),
+            itertools.islice(itertools.cycle(SHAPES), 3 * shift, None),
+            itertools.islice(itertools.cycle(itertools.product(FORMATS, (False, True))), shift, None),
+        )
+    ]
+
+
+CASES = list(dict.fromkeys(_sampled(0) + _sampled(1)))
 
 
 def run_both(blocks, epilogue, out_dtype, shape, formats, fast_accum, seed):
@@ -66,7 +80,7 @@ def _case_id(v):
 
 @pytest.mark.parametrize("blocks,epilogue,out_dtype,shape,formats,fast_accum", CASES, ids=_case_id)
 def test_tma_gemm_matches_reference(blocks, epilogue, out_dtype, shape, formats, fast_accum):
-    seed = hash((blocks, epilogue.spec(), shape)) % 1000
+    seed = zlib.crc32(repr((blocks, epilogue.spec(), shape)).encode()) % 1000  # the same every run
     (out, aux, amax), (ref_out, ref_aux, ref_amax) = run_both(blocks, epilogue, out_dtype, shape, formats, fast_accum, seed)
     assert out.shape == shape[:2] and out.dtype == out_dtype
     close_as(out, ref_out)
@@ -83,9 +97,10 @@ def test_tma_gemm_matches_reference(blocks, epilogue, out_dtype, shape, formats,
 def test_cases_cover_the_sampled_dimensions():
     """The sampling above reaches every value it is meant to (a guard against a zip that stops short)."""
     assert {c[0] for c in CASES} == set(GEMM_BLOCKS) and len({c[1] for c in CASES}) == len(EPILOGUES)
-    assert {c[2] for c in CASES} == {torch.float32, torch.bfloat16, torch.float16, E4M3}
+    assert len(CASES) == 2 * len(GEMM_BLOCKS) * len(EPILOGUES)
+    assert {c[2] for c in CASES} == set(OUT_DTYPES)
     assert {c[3] for c in CASES} == set(SHAPES) and {c[3][0] for c in CASES} == {1, 7, 40}
-    assert {c[4] for c in CASES} == {(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)} and {c[5] for c in CASES} == {False, True}
+    assert {c[4] for c in CASES} == set(FORMATS) and {c[5] for c in CASES} == {False, True}
     (config,) = CONFIGS["interpreter", "tma"]
     tiles = [-(-m // config.block_m) * -(-n // config.block_n) for m, n, _ in SHAPES]
     assert max(tiles) > launch.INTERPRETER_SMS and min(tiles) < launch.INTERPRETER_SMS
@@ -132,7 +147,7 @@ def test_tma_kernel_takes_the_pointer_kernels_arguments():
     from fp8fx.codegen.tma_kernel import fp8_gemm_tma_kernel
     from fp8fx.codegen.triton_kernels import fp8_gemm_kernel
 
-    pointer = [n.replace("a_ptr", "a_desc").replace("b_ptr", "b_desc") for n in fp8_gemm_kernel.arg_names]
+    pointer = [{"a_ptr": "a_desc", "b_ptr": "b_desc"}.get(n, n) for n in fp8_gemm_kernel.arg_names]
     pointer = [n for n in pointer if n not in ("stride_am", "stride_ak", "stride_bk", "stride_bn")]
     tma = fp8_gemm_tma_kernel.arg_names
     assert tma[: len(pointer)] == pointer

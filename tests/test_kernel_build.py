@@ -1,0 +1,97 @@
+"""The persistent TMA GEMM kernel built for Hopper and Blackwell on the CPU, and what both GEMM
+families' PTX and TTIR show about accumulation precision and 64-bit addressing."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from fp8fx.codegen.targets import build_all, coverage_variants, families_of, gemm_ir
+from fp8fx.codegen.variants import CONFIGS, Epilogue, GemmVariant, TileConfig, configs_for
+
+E4M3 = torch.float8_e4m3fn
+TMA_ARCHS = ("sm_90a", "sm_100a")
+
+
+def gemm_coverage() -> list[GemmVariant]:
+    return [v for v in coverage_variants() if isinstance(v, GemmVariant)]
+
+
+def test_families_per_architecture():
+    """The pointer kernel builds everywhere (Ada's kernel and the fallback); TMA on Hopper and Blackwell."""
+    assert families_of("sm_89") == ("pointer",)
+    assert families_of("sm_90a") == families_of("sm_100a") == ("pointer", "tma")
+    assert dict(CONFIGS["sm_100a", "tma"][0].extra).get("WARP_SPECIALIZE")  # Blackwell's largest config
+
+
+def test_every_coverage_variant_builds_with_tma_on_hopper_and_blackwell():
+    variants = gemm_coverage()
+    results = build_all(variants, archs=TMA_ARCHS, families=("tma",), workers=2)
+    assert len(results) == len(variants) * len(TMA_ARCHS)
+    for r in results:
+        assert r.family == "tma" and r.ok, r  # 0 spills, shared memory within the limit
+        assert r.tma, r  # operands through cp.async.bulk.tensor
+        assert r.fp8_mma and r.fp8_mma.startswith({"sm_90a": "wgmma.mma_async", "sm_100a": "tcgen05.mma"}[r.arch]), r
+        assert r.warp_specialized == r.warp_specialize_asked, r
+    assert all(r.warp_specialized for r in results if r.arch == "sm_100a")  # its first config asks for it
+    assert all("kind::f8f6f4" in r.fp8_mma for r in results if r.arch == "sm_100a")
+
+
+def _adds(ptx: str) -> int:
+    return len(re.findall(r"\badd(?:\.rn)?\.f32\b", ptx))
+
+
+def test_hopper_promotes_fp8_partial_sums_without_fast_accum():
+    """Without FAST_ACCUM, every BLOCK_K slice's wgmma chain accumulates into a zeroed temporary
+    (Hopper's FP8 wgmma keeps fewer mantissa bits than fp32) and the temporary is then added into
+    the fp32 accumulator: one add.f32 per accumulator value a thread holds (measured: 64 for
+    128 x 128 tiles on 8 warps, in both families; the fast build has none, the wgmmas accumulate
+    in place)."""
+    for family in ("pointer", "tma"):
+        ptx = {}
+        for fast in (False, True):
+            variant = GemmVariant(E4M3, E4M3, (), (), Epilogue(), torch.bfloat16, fast_accum=fast)
+            config = configs_for("sm_90a", variant, family)[0]
+            ptx[fast] = gemm_ir(variant, "sm_90a", config, family)["ptx"]
+        assert ptx[False] != ptx[True], family
+        assert all("wgmma.mma_async" in p for p in ptx.values()), family
+        per_thread = config.block_m * config.block_n // (32 * config.num_warps)
+        assert _adds(ptx[False]) - _adds(ptx[True]) == per_thread, (family, _adds(ptx[False]), _adds(ptx[True]))
+
+
+def _offsets(ttir: str) -> list[tuple[str, str]]:
+    """(pointer type, offset type) of every tt.addptr."""
+    return re.findall(r"tt\.addptr [^:\n]*: ([^,\n]+), (\S+)", ttir)
+
+
+def _dims(ty: str) -> list[int]:
+    return [int(d) for d in re.findall(r"(\d+)x", ty)]
+
+
+def test_offsets_meeting_strides_are_64_bit_in_both_families():
+    """Operand, output and epilogue offsets are int64 in the TTIR: a 2**31-element operand must not
+    wrap. A config whose BLOCK_K (128) differs from BLOCK_M (64) and BLOCK_N (32) tells the K
+    direction apart: only in-tile K offsets of the pointer kernel's operands may be 32-bit. The
+    pointer kernel adds a scale tensor's K-block offset (K / 128 times a stride: at most the scale
+    tensor's size) in 32 bits; its 1-D and scalar scale offsets are left out of its check."""
+    variant = GemmVariant(
+        E4M3, E4M3, (1, 128), (128, 1), Epilogue(bias=True, activation="gelu", mul="by_other", residual=True, aux="sum", out_amax=True), torch.bfloat16
+    )
+    for family, extra in (("pointer", ()), ("tma", (("EPILOGUE_SUBTILE", 2),))):
+        config = TileConfig(64, 32, 128, 8, 4, 2, extra)
+        ttir = gemm_ir(variant, "sm_90a", config, family)["ttir"]
+        offsets = _offsets(ttir)
+        checked = [(p, o) for p, o in offsets if family == "tma" or not (len(_dims(p)) <= 1 and "f32" in p)]
+        assert len(checked) >= 8, (family, offsets)
+        for pointer, offset in checked:
+            if offset.endswith("i32>") or offset == "i32":
+                assert config.block_k in _dims(offset), (family, pointer, offset)  # K-direction only
+            else:
+                assert offset.endswith("i64>") or offset == "i64", (family, pointer, offset)
+        # out, aux, other and residual: a 64-bit offset per element of the (sub-)tile
+        slice_n = config.block_n // dict(extra).get("EPILOGUE_SUBTILE", 1)
+        tiles = [o for _, o in offsets if o == f"tensor<64x{slice_n}xi64>"]
+        assert len(tiles) >= 4, (family, offsets)
+        assert ("tt.descriptor_load" in ttir) == (family == "tma")
+        assert re.search(r"arith\.extsi %\S+ : tensor<\d+xi32> to tensor<\d+xi64>", ttir), family
