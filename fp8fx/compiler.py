@@ -348,9 +348,12 @@ def backend(
     """A configured backend: `torch.compile(model, backend=fp8fx.backend(policy="p.yaml"))`.
 
     `fuse_epilogues` fuses each FP8 GEMM's elementwise neighbours into it. `kernels` picks what
-    runs FP8 GEMMs on CUDA: "auto" / "triton" (the generated Triton kernels) or "scaled_mm"
+    runs FP8 GEMMs on CUDA: "auto" (per GEMM, `fp8fx.codegen.dispatch.choose_kernel`: the
+    generated kernel where its fused epilogue saves memory passes or a measured table says so,
+    torch._scaled_mm otherwise), "triton" (always the generated kernels) or "scaled_mm"
     (torch._scaled_mm, then the epilogue in torch). CPU tensors run the exact reference, except
-    with "triton" under Triton's interpreter (TRITON_INTERPRET=1), for debugging the kernels.
+    that under Triton's interpreter (TRITON_INTERPRET=1) the GEMMs given to the generated kernel
+    run it, through the launcher a GPU uses.
 
     `monitor_every=N` samples every FP8 cast's input every N calls (amax, scale, saturated,
     underflowed and non-finite values; `fp8fx.stats(compiled)`); 0 leaves the monitor out."""
