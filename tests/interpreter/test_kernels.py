@@ -123,6 +123,12 @@ def test_gemm_variant_matches_reference(blocks, epilogue, out_dtype, formats):
     ref_out, ref_aux, ref_amax = reference.fp8_gemm(
         a, b, sa, sb, bias, other, residual, out_scale, out_dtype, torch.float32, list(block_a), list(block_b), epilogue.spec(), "scaled_mm", False
     )
+    assert_matches(epilogue, (out, aux, amax), (ref_out, ref_aux, ref_amax))
+
+
+def assert_matches(epilogue: Epilogue, got: tuple, ref: tuple) -> None:
+    """A launcher's (out, aux, amax) against the reference's: aux and amax present as the epilogue says."""
+    (out, aux, amax), (ref_out, ref_aux, ref_amax) = got, ref
     close_as(out, ref_out)
     if epilogue.aux != "none":
         close_as(aux, ref_aux)

@@ -19,7 +19,7 @@ import torch
 from fp8fx.codegen import launch
 from fp8fx.codegen.variants import CONFIGS, GemmVariant, configs_for
 from fp8fx.ops import reference
-from test_kernels import E4M3, E5M2, EPILOGUES, GEMM_BLOCKS, close_as, fp8_operand
+from test_kernels import E4M3, E5M2, EPILOGUES, GEMM_BLOCKS, assert_matches, fp8_operand
 
 pytestmark = [
     pytest.mark.skipif(not launch.interpreter_active(), reason="needs TRITON_INTERPRET=1 before import"),
@@ -81,17 +81,9 @@ def _case_id(v):
 @pytest.mark.parametrize("blocks,epilogue,out_dtype,shape,formats,fast_accum", CASES, ids=_case_id)
 def test_tma_gemm_matches_reference(blocks, epilogue, out_dtype, shape, formats, fast_accum):
     seed = zlib.crc32(repr((blocks, epilogue.spec(), shape)).encode()) % 1000  # the same every run
-    (out, aux, amax), (ref_out, ref_aux, ref_amax) = run_both(blocks, epilogue, out_dtype, shape, formats, fast_accum, seed)
-    assert out.shape == shape[:2] and out.dtype == out_dtype
-    close_as(out, ref_out)
-    if epilogue.aux != "none":
-        close_as(aux, ref_aux)
-    else:
-        assert aux is None
-    if epilogue.out_amax:
-        torch.testing.assert_close(amax, ref_amax, rtol=1e-6, atol=0)
-    else:
-        assert amax is None
+    got, ref = run_both(blocks, epilogue, out_dtype, shape, formats, fast_accum, seed)
+    assert got[0].shape == shape[:2] and got[0].dtype == out_dtype
+    assert_matches(epilogue, got, ref)
 
 
 def test_cases_cover_the_sampled_dimensions():
