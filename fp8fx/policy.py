@@ -141,9 +141,9 @@ class Settings:
 
     def __post_init__(self) -> None:
         _bool(self.power_of_two_scales, "power_of_two_scales")
-        _int(self.margin, "margin", 0)
-        _int(self.amax_history_len, "amax_history_len", 1)
-        _int(self.interval, "interval", 1)
+        _int(self.margin, "margin", 0, MAX_MARGIN)
+        _int(self.amax_history_len, "amax_history_len", 1, MAX_AMAX_HISTORY)
+        _int(self.interval, "interval", 1, MAX_INTERVAL)
         object.__setattr__(self, "amax_compute_algo", _enum(AmaxComputeAlgo, self.amax_compute_algo, "amax_compute_algo"))
         object.__setattr__(self, "format", _enum(FormatRecipe, self.format, "format"))
         object.__setattr__(self, "scaling", _enum(Scaling, self.scaling, "scaling"))
@@ -161,9 +161,17 @@ class Settings:
             raise PolicyError("scaling", f"delayed scaling keeps one scale per tensor; it needs granularity tensorwise, not {self.granularity.value}")
 
 
-def _int(value: Any, key_path: str, minimum: int) -> None:
-    if type(value) is not int or value < minimum:
-        raise PolicyError(key_path, f"expected an integer >= {minimum}, got {value!r}")
+# Bounds that keep every setting meaningful: a margin past 32 only underflows scales, a history is
+# kept per FP8 tensor (4 bytes an entry), and a step counter is int64 on the device.
+MAX_MARGIN = 32
+MAX_AMAX_HISTORY = 1 << 16
+MAX_INTERVAL = 2**31 - 1
+
+
+def _int(value: Any, key_path: str, minimum: int, maximum: int | None = None) -> None:
+    if type(value) is not int or value < minimum or (maximum is not None and value > maximum):
+        wanted = f"an integer >= {minimum}" if maximum is None else f"an integer from {minimum} to {maximum}"
+        raise PolicyError(key_path, f"expected {wanted}, got {value!r}")
 
 
 def _bool(value: Any, key_path: str) -> None:

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 _FP32_MAX = torch.finfo(torch.float32).max
+_FP32_TINY = torch.finfo(torch.float32).tiny  # smallest normal: 1 / scale stays finite
 
 Block = tuple[int, ...]  # () or (b0, b1)
 
@@ -80,8 +81,9 @@ def amax_to_scale(amax: Tensor, fp8_max: float, margin: int = 0, power_of_two: b
     amax = amax.to(torch.float64)
     usable = torch.isfinite(amax) & (amax > 0)
     safe_amax = torch.where(usable, amax, torch.ones_like(amax))
-    # Tiny amax would give an inf scale; clamp to the largest finite fp32.
-    scale = (fp8_max / (2.0**margin) / safe_amax).to(torch.float32).clamp(max=_FP32_MAX)
+    # Tiny amax would give an inf scale, a huge one (with a margin) a zero or subnormal scale whose
+    # inverse is inf: clamp to the finite normal fp32 range.
+    scale = (fp8_max / (2.0**margin) / safe_amax).to(torch.float32).clamp(min=_FP32_TINY, max=_FP32_MAX)
     if power_of_two:  # drop the mantissa bits (as the kernels do): log2/exp2 would round 2**128 - eps up to inf
         scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
     return torch.where(usable, scale, torch.ones_like(scale))

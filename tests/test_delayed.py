@@ -23,13 +23,15 @@ def te_delayed_scaling(amaxes, history_len, algo, margin, interval, fp8_max=448.
     """TE's DelayedScaling, written from its documentation: this step's amax goes to slot 0 of the
     history; amax = max(history) or history[0]; sf = fp8_max / amax / 2**margin, keeping the old
     scale where amax is 0 or non-finite; the history then rolls by one and slot 0 is cleared.
-    fp8fx recomputes the scale only every `interval` steps. Divisions are done in fp64 and rounded
-    once to fp32, as fp8fx does (TE divides in fp32: the two can differ by one fp32 ulp)."""
+    A non-finite amax keeps the scale and is not recorded (TE's history reduction skips it; one
+    NaN must not freeze the scale for the history's length). fp8fx recomputes the scale only every
+    `interval` steps. Divisions are done in fp64 and rounded once to fp32, as fp8fx does (TE
+    divides in fp32: the two can differ by one fp32 ulp)."""
     history, scale, scales = [0.0] * history_len, 1.0, []
     for step, a in enumerate(amaxes):
-        history[0] = a
-        chosen = history[0] if algo == "most_recent" else (max(history) if not any(math.isnan(h) for h in history) else math.nan)
-        if step % interval == 0 and math.isfinite(chosen) and chosen > 0:
+        history[0] = a if math.isfinite(a) else 0.0
+        chosen = history[0] if algo == "most_recent" else max(history)
+        if step % interval == 0 and math.isfinite(a) and chosen > 0:
             scale = float(torch.tensor(fp8_max / chosen / 2**margin, dtype=torch.float64).float())
         scales.append(scale)
         history = [0.0] + (history[2:] + history[:1] if history_len > 1 else [])
@@ -163,3 +165,16 @@ def test_state_survives_recompiles_and_works_under_inductor(inner):
     # Both graphs read and update the same states: three steps recorded, none lost to the recompile.
     assert len(states) == 6 and all(s.steps.item() == 3 for s in states.values())
     assert all(torch.isfinite(s.scale) and s.scale > 1 for s in states.values())
+
+
+def test_one_nan_step_does_not_freeze_the_scale_for_the_history():
+    """After a NaN amax, the next clean step's scale comes from the clean history (the NaN step
+    itself keeps its scale and is counted)."""
+    h, s = torch.zeros(1024), torch.ones(())
+    n, f = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+    scales = []
+    for a in (2.0, float("nan"), 4.0, 1.0):
+        h, s, n, f = ops.delayed_scale_update(h, s, n, f, torch.tensor(a), 448.0, 0, False, False, 1)
+        scales.append(s.item())
+        assert torch.isfinite(h).all()
+    assert scales == [224.0, 224.0, 112.0, 112.0] and f.item() == 1

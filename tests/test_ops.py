@@ -195,3 +195,17 @@ def test_scaled_mm_mixes_tensorwise_and_blockwise_operands():
     out = ops.scaled_mm(a8, b8, sa, sb.reciprocal(), None, torch.float32, [], [128, 128])
     ref = (a8.double() * sa.double()) @ (b8.double() / sb.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:, :32])
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_scales_stay_finite_and_normal_for_any_amax_and_margin():
+    """scale and 1 / scale are finite for every finite amax, the largest margin included (a zero
+    or subnormal scale would turn every output into NaN or inf)."""
+    from fp8fx.policy import MAX_MARGIN
+    from fp8fx.scaling import amax_to_scale
+
+    amax = torch.tensor([1e-45, 1e-30, 1.0, 1e30, torch.finfo(torch.float32).max])
+    for margin in (0, MAX_MARGIN):
+        for p2 in (False, True):
+            scale = amax_to_scale(amax, 448.0, margin, p2)
+            assert torch.isfinite(scale).all() and torch.isfinite(scale.reciprocal()).all()
+            assert (scale >= torch.finfo(torch.float32).tiny).all()

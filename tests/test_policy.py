@@ -176,6 +176,9 @@ BAD_FILES = {
     "fast_accum_value": ("version: 1\ndefaults:\n  fast_accum: {dgrad: yes please}\n", "defaults.fast_accum.dgrad", 3, "expected true or false"),
     "fast_accum_role": ("version: 1\nrules:\n  - match: x\n    fast_accum:\n      xgrad: true\n", "rules[0].fast_accum.xgrad", 5, "unknown GEMM 'xgrad'"),
     "fast_accum_list": ("version: 1\ndefaults:\n  fast_accum: [fprop]\n", "defaults.fast_accum", 3, "expected a mapping"),
+    "margin_too_large": ("version: 1\ndefaults:\n  margin: 200\n", "defaults.margin", 3, "expected an integer from 0 to 32, got 200"),
+    "interval_too_large": ("version: 1\nrules:\n  - match: x\n    interval: 18446744073709551616\n", "rules[0].interval", 4, "from 1 to 2147483647"),
+    "history_too_long": ("version: 1\ndefaults:\n  amax_history_len: 10000000000000\n", "defaults.amax_history_len", 3, "from 1 to 65536"),
     "yaml_syntax": ("version: 1\ndefaults:\n  format: e4m3\n    scaling: dynamic\n", "<yaml>", 4, "not valid YAML"),
     "duplicate_key": ("version: 1\ndefaults:\n  format: e4m3\n  format: e5m2\n", "defaults.format", 4, "key given twice"),
 }

@@ -244,7 +244,7 @@ def _amax_to_scale(amax, FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, POW
     usable = (amax > 0.0) & (amax < float("inf"))
     safe = tl.where(usable, amax, 1.0).to(tl.float64)
     scale = (FP8_MAX / MARGIN_FACTOR / safe).to(tl.float32)
-    scale = tl.minimum(scale, 3.4028234663852886e38)
+    scale = tl.minimum(tl.maximum(scale, 1.1754943508222875e-38), 3.4028234663852886e38)  # finite, normal
     if POWER_OF_TWO:
         bits = scale.to(tl.int32, bitcast=True) & 0x7F800000  # drop the mantissa: round down to 2**e
         scale = bits.to(tl.float32, bitcast=True)

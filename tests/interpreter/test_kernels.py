@@ -49,6 +49,16 @@ def test_quantize_scale_options(margin, power_of_two):
         assert torch.equal(q.view(torch.uint8), reference.cast(x, ref_scale, E4M3, list(block)).view(torch.uint8))
 
 
+def test_quantize_clamps_scales_like_the_reference():
+    """An amax near fp32's max with the largest margin: the kernel's scale is the reference's
+    smallest normal fp32, not 0 (whose inverse would be inf)."""
+    x = wide_range((32, 128), seed=4) * 1e33
+    for block in ((), (1, 128)):
+        q, scale = launch.quantize(x, E4M3, block, margin=32)
+        ref_scale = amax_to_scale(block_amax(x, block), 448.0, 32)
+        assert torch.equal(scale, ref_scale) and (scale > 0).all()
+
+
 def test_quantize_given_amax_and_non_finite():
     x = wide_range((48, 128), seed=5)
     q, scale = launch.quantize(x, E4M3, amax=torch.tensor(2.0))
