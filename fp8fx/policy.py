@@ -291,7 +291,7 @@ RECIPES: dict[str, dict[str, Any]] = {
 
 def recipe_settings(name: str, **overrides: Any) -> Settings:
     """The `Settings` a named recipe expands to, with `overrides` applied on top."""
-    if name not in RECIPES:
+    if not isinstance(name, str) or name not in RECIPES:
         raise PolicyError("recipe", f"unknown recipe {name!r}; expected one of {', '.join(RECIPES)}")
     settings = {**RECIPES[name], **overrides}
     if isinstance(overrides.get("gemms"), dict) and "gemms" in RECIPES[name]:  # merge, do not replace
@@ -455,9 +455,14 @@ def load_policy(path: str | Path) -> Policy:
     """Read and validate a policy YAML file; raises `PolicyError` naming file, line and key path."""
     path = Path(path)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as e:
         raise PolicyError("<file>", f"cannot read policy file: {e.strerror}", str(path)) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise PolicyError("<file>", f"not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start}", str(path), line) from None
     return policy_from_yaml(text, source=str(path))
 
 
@@ -507,7 +512,19 @@ class _Decoder:
             path = e.key_path if key_path == "<root>" else f"{key_path}.{e.key_path}"
             raise self.fail(_node_at(node, e.key_path), path, e.message) from None
 
+    def check_keys(self, node: yaml.Node, key_path: str) -> None:
+        """Every mapping key in the file is a plain name (YAML allows lists and mappings as keys)."""
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                if not isinstance(key_node, yaml.ScalarNode):
+                    raise self.fail(key_node, key_path, f"keys must be plain names, got {_kind(key_node)} as a key")
+                self.check_keys(value_node, key_node.value if key_path == "<root>" else f"{key_path}.{key_node.value}")
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self.check_keys(item, f"{key_path}[{i}]")
+
     def policy(self, root: yaml.Node) -> Policy:
+        self.check_keys(root, "<root>")
         self.root = root
         top = self.mapping(root, "<root>", _TOP_KEYS)
         if "version" not in top:

@@ -179,6 +179,9 @@ BAD_FILES = {
     "margin_too_large": ("version: 1\ndefaults:\n  margin: 200\n", "defaults.margin", 3, "expected an integer from 0 to 32, got 200"),
     "interval_too_large": ("version: 1\nrules:\n  - match: x\n    interval: 18446744073709551616\n", "rules[0].interval", 4, "from 1 to 2147483647"),
     "history_too_long": ("version: 1\ndefaults:\n  amax_history_len: 10000000000000\n", "defaults.amax_history_len", 3, "from 1 to 65536"),
+    "recipe_list": ("version: 1\nrecipe: [tensorwise]\n", "recipe", 2, "unknown recipe ['tensorwise']"),
+    "complex_key_root": ("version: 1\n? [a, b]\n: 1\n", "<root>", 2, "keys must be plain names, got a list as a key"),
+    "complex_key_nested": ("version: 1\ndefaults:\n  fast_accum: {[a]: true}\n", "defaults.fast_accum", 3, "keys must be plain names"),
     "yaml_syntax": ("version: 1\ndefaults:\n  format: e4m3\n    scaling: dynamic\n", "<yaml>", 4, "not valid YAML"),
     "duplicate_key": ("version: 1\ndefaults:\n  format: e4m3\n  format: e5m2\n", "defaults.format", 4, "key given twice"),
 }
@@ -295,3 +298,11 @@ def test_fast_accum_defaults_merge_and_reach_the_report():
     }
     variants = [n.meta["fp8fx"]["variant"] for g in cap.forward + cap.backward for n in g.graph.nodes if "variant" in n.meta.get("fp8fx", {})]
     assert sorted(v.fast_accum for v in variants) == sorted(op.fast_accum for op in ops)
+
+
+def test_a_file_that_is_not_utf8_names_the_byte_and_line(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_bytes(b"version: 1\n# caf\xe9\n")
+    with pytest.raises(PolicyError) as info:
+        fp8fx.load_policy(path)
+    assert (info.value.key_path, info.value.line) == ("<file>", 2) and "not UTF-8 text: byte 0xe9" in str(info.value)
