@@ -44,6 +44,24 @@ def _shape(node) -> tuple:
     return tuple(node.meta["val"].shape)
 
 
+def _same_shape(node: fx.Node, shape: tuple) -> bool:
+    """Shape equality that adds no guard on symbolic sizes (compared as expressions)."""
+    return [str(d) for d in _shape(node)] == [str(d) for d in shape]
+
+
+def _size_arg(node: fx.Node, chain: list[fx.Node]) -> list | None:
+    """`node`'s shape as a view's size argument: its ints, or the size argument of a reshape in the
+    chain with the same shape (whose symbolic sizes are graph nodes), or -1 for one symbolic size."""
+    shape = _shape(node)
+    if all(isinstance(d, int) for d in shape):
+        return list(shape)
+    for step in chain:
+        if step.target in RESHAPES and _same_shape(step, shape):
+            return list(step.args[1])
+    symbolic = [i for i, d in enumerate(shape) if not isinstance(d, int)]
+    return [-1 if i == symbolic[0] else d for i, d in enumerate(shape)] if len(symbolic) == 1 else None
+
+
 def _activation_name(node: fx.Node) -> str | None:
     if node.op != "call_function" or node.target not in ACTIVATIONS:
         return None
@@ -212,6 +230,13 @@ class _Fuser:
                 return False
         if inputs["bias"] is not None and self.order[inputs["bias"]] >= self.order[at]:
             return False
+        if not isinstance(n, int):
+            return False  # a dynamic N: the 2-D views below need it as a number
+        # The n-D shapes the fused result is viewed back to, as graph arguments (symbolic sizes
+        # must come from nodes of the graph, never be baked in as raw SymInts).
+        sizes = {node: _size_arg(node, absorbed) for node in (final, aux_node) if node is not None}
+        if any(size is None for size in sizes.values()):
+            return False
         fp8_cast = inputs["fp8_cast"]
         out_val = (fp8_cast or final).meta["val"]
         aux_dtype = aux_node.meta["val"].dtype if aux_node is not None else final.meta["val"].dtype
@@ -224,15 +249,15 @@ class _Fuser:
             flat = {}
             for key in ("other", "residual"):
                 t = inputs[key]
-                flat[key] = t if t is None or _shape(t) == (m, n) else self.add(aten.view.default, (t, [m, n]), tag_from=gemm)
+                flat[key] = t if t is None or _same_shape(t, (m, n)) else self.add(aten.view.default, (t, [-1, n]), tag_from=gemm)
             args = (a, b, sa, sb, inputs["bias"], flat["other"], flat["residual"], out_scale, out_val.dtype, aux_dtype,
                     list(block_a), list(block_b), ep.spec(), kernel, fast_accum)  # fmt: skip
             fused = self.add(fp8fx_ops.fp8_gemm.default, args, tag_from=gemm)
             outs = [self.add(operator.getitem, (fused, i), tag_from=gemm) for i in range(3)]
-            out = outs[0] if _shape(final) == (m, n) else self.add(aten.view.default, (outs[0], list(_shape(final))), tag_from=gemm)
+            out = outs[0] if _same_shape(final, (m, n)) else self.add(aten.view.default, (outs[0], sizes[final]), tag_from=gemm)
             aux = None
             if aux_node is not None:
-                aux = outs[1] if _shape(aux_node) == (m, n) else self.add(aten.view.default, (outs[1], list(_shape(aux_node))), tag_from=gemm)
+                aux = outs[1] if _same_shape(aux_node, (m, n)) else self.add(aten.view.default, (outs[1], sizes[aux_node]), tag_from=gemm)
         for key in ("seq_nr", "autograd_backward", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack", META_KEY):
             if key in gemm.meta:
                 fused.meta[key] = gemm.meta[key]
