@@ -6,6 +6,7 @@ FP8 operands are made by torch, never by the interpreter's own FP8 conversion.""
 from __future__ import annotations
 
 import itertools
+import zlib
 
 import pytest
 import torch
@@ -114,11 +115,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("blocks,epilogue,out_dtype,formats", CASES, ids=lambda v: getattr(v, "spec", lambda: str(v))() or "plain")
-def test_gemm_variant_matches_reference(blocks, epilogue, out_dtype, formats):
-    """The pointer kernel (Ada's, and the fallback); tests/interpreter/test_tma.py runs the TMA one."""
-    m, n, k = 40, 144, 256  # partial tiles in M and N, two 128-K-blocks
-    (block_a, block_b), seed = blocks, hash((blocks, epilogue.spec())) % 1000
+def run_both(blocks, epilogue, out_dtype, shape, formats, fast_accum, seed, family):
+    """(the `family` kernel's (out, aux, amax), the reference's) for one generated GEMM case."""
+    (m, n, k), (block_a, block_b) = shape, blocks
     a, sa = fp8_operand((m, k), formats[0], block_a, seed)
     b, sb = fp8_operand((k, n), formats[1], block_b, seed + 1, column_major=True)
     g = torch.Generator().manual_seed(seed)
@@ -126,14 +125,27 @@ def test_gemm_variant_matches_reference(blocks, epilogue, out_dtype, formats):
     other = torch.randn(m, n, generator=g) if epilogue.mul != "none" else None
     residual = torch.randn(m, n, generator=g).to(torch.bfloat16) if epilogue.residual else None
     out_scale = torch.tensor(3.0) if out_dtype == E4M3 else None
-    out, aux, amax = launch.fp8_gemm(
+    got = launch.fp8_gemm(
         a, b, sa, sb, block_a=block_a, block_b=block_b, epilogue=epilogue, bias=bias, other=other, residual=residual,
-        out_scale=out_scale, out_dtype=out_dtype, aux_dtype=torch.float32, family="pointer",
+        out_scale=out_scale, out_dtype=out_dtype, aux_dtype=torch.float32, fast_accum=fast_accum, family=family,
     )  # fmt: skip
-    ref_out, ref_aux, ref_amax = reference.fp8_gemm(
-        a, b, sa, sb, bias, other, residual, out_scale, out_dtype, torch.float32, list(block_a), list(block_b), epilogue.spec(), "scaled_mm", False
+    ref = reference.fp8_gemm(
+        a, b, sa, sb, bias, other, residual, out_scale, out_dtype, torch.float32, list(block_a), list(block_b), epilogue.spec(), "scaled_mm", fast_accum
     )
-    assert_matches(epilogue, (out, aux, amax), (ref_out, ref_aux, ref_amax))
+    return got, ref
+
+
+def case_seed(*parts) -> int:
+    """A seed from a case's description, the same in every process (unlike hash())."""
+    return zlib.crc32(repr(parts).encode()) % 1000
+
+
+@pytest.mark.parametrize("blocks,epilogue,out_dtype,formats", CASES, ids=lambda v: getattr(v, "spec", lambda: str(v))() or "plain")
+def test_gemm_variant_matches_reference(blocks, epilogue, out_dtype, formats):
+    """The pointer kernel (Ada's, and the fallback); tests/interpreter/test_tma.py runs the TMA one."""
+    shape = (40, 144, 256)  # partial tiles in M and N, two 128-K-blocks
+    got, ref = run_both(blocks, epilogue, out_dtype, shape, formats, False, case_seed(blocks, epilogue.spec()), "pointer")
+    assert_matches(epilogue, got, ref)
 
 
 def assert_matches(epilogue: Epilogue, got: tuple, ref: tuple) -> None:

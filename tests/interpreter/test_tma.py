@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import zlib
 
 import pytest
 import torch
 
 from fp8fx.codegen import launch
 from fp8fx.codegen.variants import CONFIGS, GemmVariant, configs_for
-from fp8fx.ops import reference
-from test_kernels import E4M3, E5M2, EPILOGUES, GEMM_BLOCKS, assert_matches, fp8_operand
+from test_kernels import E4M3, E5M2, EPILOGUES, GEMM_BLOCKS, assert_matches, case_seed, run_both
 
 pytestmark = [
     pytest.mark.skipif(not launch.interpreter_active(), reason="needs TRITON_INTERPRET=1 before import"),
@@ -52,26 +50,6 @@ def _sampled(shift: int) -> list:
 CASES = list(dict.fromkeys(_sampled(0) + _sampled(1)))
 
 
-def run_both(blocks, epilogue, out_dtype, shape, formats, fast_accum, seed):
-    """(kernel's (out, aux, amax), reference's) for one generated case."""
-    (m, n, k), (block_a, block_b) = shape, blocks
-    a, sa = fp8_operand((m, k), formats[0], block_a, seed)
-    b, sb = fp8_operand((k, n), formats[1], block_b, seed + 1, column_major=True)
-    g = torch.Generator().manual_seed(seed)
-    bias = torch.randn(n, generator=g).to(torch.bfloat16) if epilogue.bias else None
-    other = torch.randn(m, n, generator=g) if epilogue.mul != "none" else None
-    residual = torch.randn(m, n, generator=g).to(torch.bfloat16) if epilogue.residual else None
-    out_scale = torch.tensor(3.0) if out_dtype == E4M3 else None
-    got = launch.fp8_gemm(
-        a, b, sa, sb, block_a=block_a, block_b=block_b, epilogue=epilogue, bias=bias, other=other, residual=residual,
-        out_scale=out_scale, out_dtype=out_dtype, aux_dtype=torch.float32, fast_accum=fast_accum, family="tma",
-    )  # fmt: skip
-    ref = reference.fp8_gemm(
-        a, b, sa, sb, bias, other, residual, out_scale, out_dtype, torch.float32, list(block_a), list(block_b), epilogue.spec(), "scaled_mm", fast_accum
-    )
-    return got, ref
-
-
 def _case_id(v):
     if hasattr(v, "spec"):
         return v.spec() or "plain"
@@ -80,8 +58,7 @@ def _case_id(v):
 
 @pytest.mark.parametrize("blocks,epilogue,out_dtype,shape,formats,fast_accum", CASES, ids=_case_id)
 def test_tma_gemm_matches_reference(blocks, epilogue, out_dtype, shape, formats, fast_accum):
-    seed = zlib.crc32(repr((blocks, epilogue.spec(), shape)).encode()) % 1000  # the same every run
-    got, ref = run_both(blocks, epilogue, out_dtype, shape, formats, fast_accum, seed)
+    got, ref = run_both(blocks, epilogue, out_dtype, shape, formats, fast_accum, case_seed(blocks, epilogue.spec(), shape), "tma")
     assert got[0].shape == shape[:2] and got[0].dtype == out_dtype
     assert_matches(epilogue, got, ref)
 
@@ -113,7 +90,7 @@ def test_pre_hook_sets_the_chosen_configs_block_shapes(monkeypatch):
     launch_descriptors = launch._descriptors
     monkeypatch.setattr(launch, "_descriptors", capture)
     blocks = ((1, 128), (128, 128))
-    run_both(blocks, EPILOGUES[0], torch.bfloat16, (7, 100, 130), (E4M3, E4M3), False, seed=5)
+    run_both(blocks, EPILOGUES[0], torch.bfloat16, (7, 100, 130), (E4M3, E4M3), False, 5, "tma")
     variant = GemmVariant(E4M3, E4M3, *blocks)
     (config,) = configs_for("interpreter", variant, "tma")
     a_desc, b_desc = made
