@@ -243,12 +243,15 @@ class Rule:
 
 
 def _gemm_overrides(value: Any, key_path: str) -> dict[str, Precision]:
+    return _per_gemm(value, key_path, "fp8|high", lambda v, where: _enum(Precision, v, where))
+
+
+def _per_gemm(value: Any, key_path: str, values: str, convert) -> dict[str, Any]:  # noqa: ANN001
+    """A `{GEMM: value}` mapping of a policy (TE's names fprop/dgrad/wgrad accepted), each value
+    checked by `convert(value, key path)`."""
     if not isinstance(value, dict) or not value:
-        raise PolicyError(key_path, f"expected a mapping of {'|'.join(GEMM_ROLES)} to fp8|high, got {value!r}")
-    out: dict[str, Precision] = {}
-    for key, prec in value.items():
-        out[_role_of(key, key_path)] = _enum(Precision, prec, f"{key_path}.{key}")
-    return out
+        raise PolicyError(key_path, f"expected a mapping of {'|'.join(GEMM_ROLES)} to {values}, got {value!r}")
+    return {_role_of(key, key_path): convert(v, f"{key_path}.{key}") for key, v in value.items()}
 
 
 def _role_of(key: Any, key_path: str) -> str:
@@ -260,13 +263,11 @@ def _role_of(key: Any, key_path: str) -> str:
 
 
 def _fast_accum_overrides(value: Any, key_path: str) -> dict[str, bool]:
-    if not isinstance(value, dict) or not value:
-        raise PolicyError(key_path, f"expected a mapping of {'|'.join(GEMM_ROLES)} (or fprop|dgrad|wgrad) to true|false, got {value!r}")
-    out: dict[str, bool] = {}
-    for key, fast in value.items():
-        _bool(fast, f"{key_path}.{key}")
-        out[_role_of(key, key_path)] = fast
-    return out
+    def checked(fast: Any, where: str) -> bool:
+        _bool(fast, where)
+        return fast
+
+    return _per_gemm(value, key_path, "true|false", checked)
 
 
 # Settings a rule may set directly (all but `gemms` and `fast_accum`, which merge, and `ops`).

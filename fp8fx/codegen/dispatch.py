@@ -36,6 +36,15 @@ def triton_available() -> bool:
     return True
 
 
+def interpreter_active() -> bool:
+    """Triton's interpreter runs the kernels on CPU tensors (TRITON_INTERPRET=1 when Triton was imported)."""
+    if not triton_available():
+        return False
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
+
+
 def table_path(device_name: str) -> Path:
     """Where `fp8fx selftest` writes, and the dispatch reads, the measured table of one GPU model:
     `$FP8FX_CACHE_DIR` (default `~/.cache/fp8fx`)/dispatch-<device name>.json."""

@@ -17,6 +17,7 @@ import torch
 import triton
 from torch import Tensor
 
+from fp8fx.codegen.dispatch import interpreter_active
 from fp8fx.codegen.triton_kernels import amax_kernel, fp8_gemm_kernel, quantize_kernel
 from fp8fx.codegen.variants import DEFAULT_FAMILY, GRID_LIMITS, Epilogue, GemmVariant, QuantizeVariant, TileConfig, configs_for, device_target
 from fp8fx.formats import fp8_format_of
@@ -24,10 +25,6 @@ from fp8fx.scaling import scale_shape
 
 ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned bases and row strides; vector loads like them too
 INTERPRETER_SMS = 3  # "SMs" a persistent kernel spreads over under the interpreter (exercises its tile loop)
-
-
-def interpreter_active() -> bool:
-    return bool(triton.knobs.runtime.interpret)
 
 
 def _check_device(tensors: dict[str, Tensor | None]) -> torch.device:

@@ -26,16 +26,24 @@ def _pad_to(t: Tensor, dim: int, multiple: int, value: float = 0.0) -> Tensor:
     return F.pad(t, pad, value=value)
 
 
+def _kind(block_a: list[int], block_b: list[int]) -> str | None:
+    """Which of PyTorch's scaled-mm kernels takes these scale blocks (a rowwise GEMM may have one
+    tensorwise side); None: none of them."""
+    if not block_a and not block_b:
+        return "tensorwise"
+    if block_a in ([], [1, 0]) and block_b in ([], [0, 1]):
+        return "rowwise"
+    if block_a in ([1, 128], [128, 128]) and block_b in ([128, 1], [128, 128]):
+        return "blockwise"
+    return None
+
+
 def scaled_mm_supports(variant) -> str:
     """Why PyTorch's scaled-mm kernels cannot run `variant`'s GEMM ("" when they can)."""
     block_a, block_b = list(variant.block_a), list(variant.block_b)
     if variant.a_dtype == variant.b_dtype == torch.float8_e5m2:
         return "two E5M2 operands"
-    if block_a in ([], [1, 0]) and block_b in ([], [0, 1]):
-        return ""
-    if block_a in ([1, 128], [128, 128]) and block_b in ([128, 1], [128, 128]):
-        return ""
-    return f"scale blocks {block_a} x {block_b}"
+    return "" if _kind(block_a, block_b) else f"scale blocks {block_a} x {block_b}"
 
 
 def _block_recipe(block: list[int]):
@@ -56,7 +64,7 @@ def scaled_mm_2d(
     block_b: list[int] = (),
     fast_accum: bool = False,
 ) -> Tensor:
-    """One 2-D FP8 GEMM: checks, pads M (and K for per-tensor scales), lays out b column-major.
+    """One 2-D FP8 GEMM: checks, pads M, N and K to multiples of 16, lays out b column-major.
     `fast_accum` is `torch._scaled_mm`'s `use_fast_accum` (Hopper's FP8 accumulator, unpromoted)."""
     if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
         raise ValueError("FP8 GEMM with two E5M2 operands is not supported by cuBLASLt; use format hybrid or e4m3")
@@ -65,11 +73,11 @@ def scaled_mm_2d(
     # Zero rows / columns / K-slices change no product, and padding to 16 never opens a new 128-block.
     a = _pad_to(_pad_to(a, 0, ALIGN), 1, ALIGN).contiguous()
     b = _pad_to(_pad_to(b, 0, ALIGN), 1, ALIGN).t().contiguous().t()  # column-major
-    if not block_a and not block_b:
+    kind = _kind(block_a, block_b)
+    if kind == "tensorwise":
         out = torch._scaled_mm(a, b, scale_a=scale_inv_a, scale_b=scale_inv_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
         return out[:m, :n]
-    if block_a in ([], [1, 0]) and block_b in ([], [0, 1]):
-        # Rowwise (a tensorwise side becomes a constant column / row of scales).
+    if kind == "rowwise":  # a tensorwise side becomes a constant column / row of scales
         sa = _pad_to(scale_inv_a.reshape(-1, 1).expand(m, 1).contiguous(), 0, ALIGN, 1.0)
         sb = _pad_to(scale_inv_b.reshape(1, -1).expand(1, n).contiguous(), 1, ALIGN, 1.0)
         out = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)

@@ -173,23 +173,14 @@ def fp8_gemm(
     ("triton": the generated kernel, "scaled_mm"); on CPU tensors under Triton's interpreter a
     "triton" GEMM runs the generated kernel too, through the same launcher. The CPU accumulates
     in fp32 whatever `fast_accum` (Hopper's reduced-precision FP8 accumulator) says."""
+    from fp8fx.codegen.dispatch import fp8_gemm_triton, interpreter_active
     from fp8fx.codegen.variants import Epilogue  # the spec's parser; codegen imports no reference code
 
     ep = Epilogue.parse(epilogue)
-    if kernel == "triton" and _interpreting():
-        from fp8fx.codegen.dispatch import fp8_gemm_triton
-
+    if kernel == "triton" and interpreter_active():
         return fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, ep, fast_accum)
     y = scaled_mm(a, b, scale_inv_a, scale_inv_b, None, torch.float32, block_a, block_b)
     return fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_dtype, ep)
-
-
-def _interpreting() -> bool:
-    """Triton's interpreter is on (TRITON_INTERPRET=1 before Triton was imported)."""
-    import sys
-
-    triton = sys.modules.get("triton")
-    return triton is not None and bool(triton.knobs.runtime.interpret)
 
 
 def fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_dtype, ep) -> tuple[Tensor, Tensor, Tensor]:
