@@ -58,8 +58,6 @@ def rows_aligned(t: Tensor) -> Tensor:
     size = t.element_size()
     if t.stride(1) == 1 and t.stride(0) >= k and (t.stride(0) * size) % ALIGN == 0 and t.data_ptr() % ALIGN == 0:
         return t
-    if rows <= 1 and t.stride(1) == 1 and t.data_ptr() % ALIGN == 0:
-        return t  # one row: its stride is never used
     width = -(-k * size // ALIGN) * ALIGN // size
     out = torch.empty((rows, width), dtype=t.dtype, device=t.device)[:, :k]
     return out.copy_(t)
@@ -169,7 +167,12 @@ def fp8_gemm(
     def strides(t):
         return (t.stride(0), t.stride(1)) if t is not None else (0, 0)
 
-    operands = (a, bt.t()) if family == "pointer" else _descriptors(a, bt, target, variant)
+    if family == "pointer":
+        operands = (a, bt.t())
+    else:
+        from fp8fx.codegen.tma_kernel import operand_descriptors
+
+        operands = operand_descriptors(a, bt)
     args = (
         *operands, out, scale_inv_a, scale_inv_b,
         bias if bias is not None else placeholder, other if other is not None else placeholder,
@@ -192,12 +195,6 @@ def _config_of(meta: dict) -> TileConfig:
 def _operand_strides(a: Tensor, bt: Tensor, family: str) -> tuple:
     # The pointer kernel reads b as [K, N] with strides (1, row stride of bt); the TMA kernel gets descriptors.
     return (a.stride(0), a.stride(1), bt.stride(1), bt.stride(0)) if family == "pointer" else ()
-
-
-def _descriptors(a: Tensor, bt: Tensor, target: str, variant: GemmVariant) -> tuple:
-    from fp8fx.codegen.tma_kernel import operand_descriptors
-
-    return operand_descriptors(a, bt, target, variant)
 
 
 def _launch_quantize(x: Tensor, out: Tensor, scale: Tensor, amax: Tensor, variant: QuantizeVariant) -> None:

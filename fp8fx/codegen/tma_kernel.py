@@ -151,19 +151,8 @@ def set_block_shapes(nargs: dict) -> None:
     nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
 
-def operand_descriptors(a, bt, target: str, variant) -> tuple[TensorDescriptor, TensorDescriptor]:
+def operand_descriptors(a, bt) -> tuple[TensorDescriptor, TensorDescriptor]:
     """Host tensor descriptors of A [M, K] and B^T [N, K] (K-contiguous, 16-byte aligned rows, as
     `launch.rows_aligned` makes them). Their block shapes are placeholders until `set_block_shapes`
     runs for the config the autotuner picks; reads past the edges are zero-filled."""
-    del target, variant  # every target and variant reads its operands the same way
-    return _descriptor(a), _descriptor(bt)
-
-
-def _descriptor(t) -> TensorDescriptor:
-    rows, k = t.shape
-    stride = t.stride(0)
-    if rows == 1:
-        # One row (rows_aligned leaves its stride as it is): the row stride is never applied, as
-        # every other row is out of bounds, but a descriptor's strides must be 16-byte multiples.
-        stride = -(-k * t.element_size() // 16) * 16 // t.element_size()
-    return TensorDescriptor(t, [rows, k], [stride, 1], [16, 16])
+    return tuple(TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [16, 16]) for t in (a, bt))

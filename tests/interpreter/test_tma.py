@@ -82,13 +82,15 @@ def test_pre_hook_sets_the_chosen_configs_block_shapes(monkeypatch):
     descriptors the launcher made with placeholder block shapes carry the config's tiles."""
     made = []
 
+    from fp8fx.codegen import tma_kernel
+
     def capture(*args):
-        descs = launch_descriptors(*args)
+        descs = make_descriptors(*args)
         made.extend(descs)
         return descs
 
-    launch_descriptors = launch._descriptors
-    monkeypatch.setattr(launch, "_descriptors", capture)
+    make_descriptors = tma_kernel.operand_descriptors
+    monkeypatch.setattr(tma_kernel, "operand_descriptors", capture)
     blocks = ((1, 128), (128, 128))
     run_both(blocks, EPILOGUES[0], torch.bfloat16, (7, 100, 130), (E4M3, E4M3), False, 5, "tma")
     variant = GemmVariant(E4M3, E4M3, *blocks)
@@ -100,12 +102,13 @@ def test_pre_hook_sets_the_chosen_configs_block_shapes(monkeypatch):
 
 
 def test_one_row_operands_get_an_aligned_descriptor_stride():
-    """rows_aligned leaves a one-row operand's stride as it is; a descriptor needs 16-byte strides."""
+    """A one-row operand's stride is never applied, but a descriptor needs 16-byte strides:
+    rows_aligned gives it an aligned row."""
     from fp8fx.codegen.tma_kernel import operand_descriptors
 
     a = torch.zeros(1, 50, dtype=E4M3)
     bt = launch.rows_aligned(torch.zeros(50, 3, dtype=E4M3).t())
-    a_desc, b_desc = operand_descriptors(launch.rows_aligned(a), bt, "interpreter", None)
+    a_desc, b_desc = operand_descriptors(launch.rows_aligned(a), bt)
     assert a_desc.strides == [64, 1] and a_desc.shape == [1, 50]
     assert b_desc.strides == [bt.stride(0), 1] and bt.stride(0) % 16 == 0
 
