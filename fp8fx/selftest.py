@@ -42,7 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fp8fx import numerics
 from fp8fx.codegen.variants import Epilogue, GemmVariant
+from fp8fx.numerics import EXACT_DB
 
 SCHEMA = "fp8fx.selftest/1"
 RECIPES = ("tensorwise", "rowwise", "blockwise")
@@ -53,7 +55,6 @@ GEMM_SQNR_DB = 40.0
 # difference (a value crossing an FP8 rounding boundary), as in tests/interpreter.
 STEP_SQNR_DB = 30.0
 AMAX_RTOL = 1e-2  # an epilogue's amax against the reference's (consistent with 40 dB)
-EXACT_DB = 300.0  # SQNR reported for identical tensors, as the report does
 ULP = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float8_e4m3fn: 2**-3, torch.float8_e5m2: 2**-2}
 
 # GEMM shapes (m, n, k) of the correctness checks: odd token counts (7, 1000), a token-count K
@@ -339,14 +340,13 @@ RUNNERS = {"generated": run_generated, "scaled_mm": run_scaled_mm}
 
 
 def sqnr_db(actual: Tensor, reference: Tensor) -> float | None:
-    """SQNR of `actual` against `reference` in dB (EXACT_DB when equal; None if not finite)."""
+    """`fp8fx.numerics.sqnr_db` of `actual` against `reference`, capped at EXACT_DB (equal tensors);
+    None if either is not finite, 0 for a zero reference."""
     a, r = actual.detach().cpu().float().double(), reference.detach().cpu().float().double()
-    noise, signal = (a - r).norm().item(), r.norm().item()
-    if not math.isfinite(noise) or not math.isfinite(signal):
+    if not (torch.isfinite(a).all() and torch.isfinite(r).all()):
         return None
-    if noise == 0:
-        return EXACT_DB
-    return min(EXACT_DB, 20 * math.log10(signal / noise)) if signal > 0 else 0.0
+    db = numerics.sqnr_db(r, a)
+    return 0.0 if db == -math.inf else min(EXACT_DB, db)
 
 
 def compare_tensor(out: Tensor, ref: Tensor, min_sqnr: float = GEMM_SQNR_DB) -> dict:
