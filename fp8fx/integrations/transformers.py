@@ -1,0 +1,95 @@
+"""fp8fx under the Hugging Face `Trainer`: one line after the Trainer is built.
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds)
+    fp8fx.integrations.transformers.enable(trainer, policy="policy.yaml", monitor_every=10)
+    trainer.train()
+
+`enable` compiles the Trainer's model in place with an fp8fx backend (`model.compile`, so the
+model keeps its class and `save_pretrained` works as before), gives it a place for delayed-scaling
+state (`fp8fx.prepare`, so checkpoints carry the scales and `resume_from_checkpoint` restores
+them), and puts an `Fp8fxCallback` first among the Trainer's callbacks. On each of the Trainer's
+log events the callback adds fp8fx's scalars to the logs: the report summary once (after the
+first step), then what the monitor sampled since the last log, per FP8 cast. Being first, it adds
+them before any `report_to` logger (TensorBoard, W&B, ...) writes the logs. On each checkpoint it
+saves the full report as `fp8fx_report.json` in the checkpoint directory.
+
+`TrainingArguments(torch_compile_backend="fp8fx")` cannot work: Accelerate's `TorchDynamoPlugin`
+accepts only the names in its `DynamoBackend` enum and raises for any other. So `torch_compile`
+stays off and `enable` compiles the model itself.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import fp8fx
+from fp8fx.integrations import MonitorLog, find_backend, require, save_report, summary_metrics
+from fp8fx.policy import Policy
+
+transformers = require("transformers", "4.50", "hf")
+
+
+class Fp8fxCallback(transformers.TrainerCallback):
+    """Adds fp8fx's report summary (once) and monitor statistics to the Trainer's logs and saves
+    the report beside each checkpoint. Made by `enable`; it must come before the `report_to`
+    callbacks, which write the logs they are handed."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.backend = find_backend(model)
+        if self.backend is None:
+            raise ValueError(
+                "fp8fx Fp8fxCallback: the model is not compiled with an fp8fx backend; use fp8fx.integrations.transformers.enable(trainer)"
+            )
+        self.monitor = MonitorLog(self.backend.monitor) if self.backend.monitor is not None else None
+        self.summary_logged = False
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or state.global_step == 0:
+            return
+        added = {}
+        if not self.summary_logged:
+            added.update(summary_metrics(fp8fx.report(self.model)))
+            self.summary_logged = True
+        if self.monitor is not None:
+            added.update(self.monitor.metrics())
+        logs.update(added)
+        if state.log_history:  # the Trainer appended its copy of these logs before calling us
+            state.log_history[-1].update(added)
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            checkpoint = Path(args.output_dir) / f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+            save_report(fp8fx.report(self.model), checkpoint)
+
+
+def enable(
+    trainer: Any,
+    policy: Policy | str | os.PathLike | None = None,
+    inner: str = "inductor",
+    monitor_every: int = 0,
+    **backend_options: Any,
+) -> Fp8fxCallback:
+    """Train `trainer.model` with fp8fx: compile it in place with `fp8fx.backend(policy, inner,
+    monitor_every, **backend_options)` (or keep the fp8fx backend it was compiled with), prepare
+    its delayed-scaling state and add the logging callback. Returns the callback."""
+    if getattr(trainer.args, "torch_compile", False):
+        raise ValueError(
+            "fp8fx enable: TrainingArguments.torch_compile is on, so Accelerate would compile the model again with "
+            f"{trainer.args.torch_compile_backend!r}; leave torch_compile off, enable() compiles the model with fp8fx"
+        )
+    if any(isinstance(cb, Fp8fxCallback) for cb in trainer.callback_handler.callbacks):
+        raise ValueError("fp8fx enable: this Trainer is already enabled")
+    model = trainer.model
+    if find_backend(model) is None:
+        fp8fx.prepare(model)
+        model.compile(backend=fp8fx.backend(policy=policy, inner=inner, monitor_every=monitor_every, **backend_options))
+    elif policy is not None or backend_options or monitor_every:
+        raise ValueError(
+            "fp8fx enable: the model is already compiled with fp8fx; give the policy and options to that fp8fx.backend(...)"
+        )
+    callback = Fp8fxCallback(model)
+    trainer.callback_handler.callbacks.insert(0, callback)
+    return callback
