@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import fp8fx
-from fp8fx import Policy
 from fp8fx.integrations import REPORT_FILE, require
 
 transformers = pytest.importorskip("transformers")
@@ -98,7 +97,8 @@ def test_trainer_logs_fp8fx_scalars_through_its_loggers_and_saves_the_report_wit
 def test_delayed_scaling_state_survives_checkpoint_and_resume(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    policy = Policy.from_recipe("delayed", amax_history_len=4)
+    policy = tmp_path / "policy.yaml"  # the policy as users give it: a YAML path
+    policy.write_text("version: 1\nrecipe: delayed\ndefaults: {amax_history_len: 4}\n")
 
     def run(out, stop=None, resume=None):
         torch._dynamo.reset()
