@@ -22,10 +22,10 @@ import fp8fx
 from fp8fx.integrations import REPORT_FILE, summary_metrics
 
 L = pytest.importorskip("lightning")
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 
-from fp8fx.integrations.lightning import CHECKPOINT_KEY, Fp8fxCallback  # noqa: E402
+from fp8fx.integrations.lightning import CHECKPOINT_KEY, Fp8fxCallback
 
 STEPS_PER_EPOCH = 10
 DELAYED = fp8fx.Policy.from_recipe("delayed", amax_history_len=8)
@@ -82,11 +82,20 @@ def loaders() -> tuple[DataLoader, DataLoader]:
     return DataLoader(TensorDataset(x[:80], y[:80]), batch_size=8), DataLoader(TensorDataset(x[80:], y[80:]), batch_size=8)
 
 
-def fit(root: Path, *callbacks, epochs: int = 1, val: bool = False, checkpoints: bool = False, ckpt_path=None, module=None, **trainer_kw):
-    """One `Trainer.fit` from a fresh Dynamo and a seeded module; returns (module, trainer)."""
+def fit(
+    root: Path,
+    *callbacks,
+    epochs: int = 1,
+    val: bool = False,
+    checkpoints: bool = False,
+    ckpt_path=None,
+    module=None,
+    **trainer_kw,
+):
+    """One `Trainer.fit` from a fresh Dynamo and a seeded module; returns (the LightningModule, trainer)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    module = module or Classifier()
+    module = module if module is not None else Classifier()
     callbacks = list(callbacks)
     if checkpoints:
         callbacks.append(ModelCheckpoint(dirpath=root / "ckpt", save_top_k=-1, every_n_epochs=1))
@@ -105,7 +114,7 @@ def fit(root: Path, *callbacks, epochs: int = 1, val: bool = False, checkpoints:
     )
     train, validation = loaders()
     trainer.fit(module, train, validation if val else None, ckpt_path=ckpt_path)
-    return module, trainer
+    return trainer.lightning_module, trainer
 
 
 def logged(path: Path) -> dict[int, dict[str, float]]:
@@ -164,7 +173,9 @@ def test_compiles_the_module_in_place_and_logs_summary_and_monitor(tmp_path):
         if step % 2 == 0:
             assert fp8_keys == set()
             continue
-        assert fp8_keys == {f"fp8fx/{key}/{name}" for key in keys for name in ("amax", "scale", "saturated", "underflow", "non_finite")}
+        assert fp8_keys == {
+            f"fp8fx/{key}/{name}" for key in keys for name in ("amax", "scale", "saturated", "underflow", "non_finite")
+        }
         for key in keys:
             series = monitor.series(key)
             assert row[f"fp8fx/{key}/amax"] == series[step].amax and row[f"fp8fx/{key}/scale"] == series[step].scale
@@ -178,7 +189,8 @@ def test_losses_match_the_run_without_fp8fx(tmp_path):
     delayed, _ = fit(tmp_path / "delayed", Fp8fxCallback(policy=DELAYED, inner="eager"), epochs=2)
     assert len(plain.losses) == 2 * STEPS_PER_EPOCH
     assert plain.losses[-1] < plain.losses[0] - 0.2  # it learns
-    # Measured over these 20 steps: at most 1.3e-3 (tensorwise) and 1.7e-3 (delayed) relative.
+    # Measured over these 20 steps: at most 1.7e-3 (tensorwise) and 2.6e-3 (delayed) relative, 7e-4
+    # and 9e-4 on average.
     for run in (tensorwise, delayed):
         assert run.losses != plain.losses
         assert max(abs(a - b) / b for a, b in zip(run.losses, plain.losses)) < 5e-3
@@ -193,10 +205,14 @@ def test_delayed_scaling_resumes_exactly_from_a_checkpoint(tmp_path):
     assert len(state_keys) == 4 * 9  # 9 casts: history, scale, steps, non-finite count each
     # The report rides in the checkpoint and beside it.
     ops = ckpt[CHECKPOINT_KEY]["ops"]
-    assert len(ops) == 3 + 8 and all(op["precision"] == "fp8" and op["scaling"] == "delayed" for op in ops)  # inference + training graph
+    assert len(ops) == 3 + 8 and all(
+        op["precision"] == "fp8" and op["scaling"] == "delayed" for op in ops
+    )  # inference + training graph
     assert json.loads((ckpt_dir / REPORT_FILE).read_text())["summary"]["fp8_gemms"] == 11
 
-    resumed, _ = fit(tmp_path / "resumed", Fp8fxCallback(policy=DELAYED, inner="eager"), epochs=2, val=True, checkpoints=True, ckpt_path=first)
+    resumed, _ = fit(
+        tmp_path / "resumed", Fp8fxCallback(policy=DELAYED, inner="eager"), epochs=2, val=True, checkpoints=True, ckpt_path=first
+    )
     assert resumed.losses == straight.losses[STEPS_PER_EPOCH:]
     assert resumed.val_losses[-2:] == straight.val_losses[-2:]
     assert all(math.isfinite(v) for v in straight.losses)
@@ -206,7 +222,13 @@ def test_delayed_scaling_resumes_exactly_from_a_checkpoint(tmp_path):
     # Without its scales the same checkpoint resumes differently: the state is what carries them.
     del_state = {**ckpt, "state_dict": {k: v for k, v in ckpt["state_dict"].items() if k not in state_keys}}
     torch.save(del_state, tmp_path / "no_state.ckpt")
-    without, _ = fit(tmp_path / "without", Fp8fxCallback(policy=DELAYED, inner="eager"), epochs=2, val=True, ckpt_path=tmp_path / "no_state.ckpt")
+    without, _ = fit(
+        tmp_path / "without",
+        Fp8fxCallback(policy=DELAYED, inner="eager"),
+        epochs=2,
+        val=True,
+        ckpt_path=tmp_path / "no_state.ckpt",
+    )
     assert without.losses != straight.losses[STEPS_PER_EPOCH:]
 
 
@@ -221,6 +243,20 @@ def test_a_module_compiled_with_fp8fx_keeps_its_backend(tmp_path):
 
     with pytest.raises(ValueError, match=r"already compiled with fp8fx; give the policy and monitor_every to that fp8fx.backend"):
         fit(tmp_path / "again", Fp8fxCallback(monitor_every=1), module=module)
+
+
+class Unlogged(Classifier):
+    def training_step(self, batch, batch_idx):  # Lightning's compile route fails in Dynamo on self.log
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+
+def test_lightnings_own_compile_route_keeps_its_backend(tmp_path):
+    backend = fp8fx.backend(inner="eager")
+    callback = Fp8fxCallback()
+    module, _ = fit(tmp_path, callback, module=torch.compile(Unlogged(), backend=backend), max_steps=2)
+    assert type(module) is Unlogged and module._compiler_ctx is not None  # trainer.fit unwrapped it
+    assert callback.backend is backend and len(callback.report().fp8_ops) == 8
 
 
 def test_a_submodule_compiled_with_fp8fx_is_reported(tmp_path):
@@ -239,8 +275,15 @@ def test_a_module_compiled_with_another_backend_is_refused(tmp_path):
 
 
 def test_calling_a_submodule_directly_warns(tmp_path):
-    with pytest.warns(UserWarning, match=r"call self\(\.\.\.\) in training_step"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", module=r"lightning\..*")
         fit(tmp_path, Fp8fxCallback(inner="eager"), module=Classifier(direct=True), max_steps=1)
+    (warning,) = [w for w in caught if "fp8fx" in str(w.message)]  # one, saying what to change
+    assert str(warning.message).startswith(
+        "fp8fx Fp8fxCallback: the first training step ran no matrix product through the compiled"
+    )
+    assert "call self(...) in training_step" in str(warning.message)
 
 
 def test_log_every_n_steps_is_checked():

@@ -66,10 +66,14 @@ def _fp8fx_compiled(pl_module: Any) -> tuple[Any, Any] | None:
     elif getattr(pl_module, "_compiler_ctx", None):  # trainer.fit(torch.compile(module, backend=...))
         backend = find_backend(pl_module.forward)
         if backend is None:
-            raise ValueError("fp8fx Fp8fxCallback: the LightningModule is compiled with another backend; pass it uncompiled, the callback compiles it with fp8fx")
+            raise ValueError(
+                "fp8fx Fp8fxCallback: the LightningModule is compiled with another backend; pass it uncompiled, the callback compiles it with fp8fx"
+            )
         found.append((backend, backend))
     elif _is_compiled(pl_module):
-        raise ValueError("fp8fx Fp8fxCallback: the LightningModule is compiled with another backend; drop that compile, the callback compiles it with fp8fx")
+        raise ValueError(
+            "fp8fx Fp8fxCallback: the LightningModule is compiled with another backend; drop that compile, the callback compiles it with fp8fx"
+        )
     else:
         for name, module in pl_module.named_modules():
             if module is not pl_module and _is_compiled(module):
@@ -83,7 +87,9 @@ def _fp8fx_compiled(pl_module: Any) -> tuple[Any, Any] | None:
         return None
     backends = {id(backend) for backend, _ in found}
     if len(backends) > 1:
-        raise ValueError("fp8fx Fp8fxCallback: submodules are compiled with several fp8fx backends; compile them with one fp8fx.backend(...)")
+        raise ValueError(
+            "fp8fx Fp8fxCallback: submodules are compiled with several fp8fx backends; compile them with one fp8fx.backend(...)"
+        )
     backend = found[0][0]
     return backend, found[0][1] if len(found) == 1 else backend
 
@@ -103,8 +109,12 @@ class Fp8fxCallback(lightning.pytorch.Callback):
         monitor_every: int = 0,
         log_every_n_steps: int | None = None,
     ):
-        if log_every_n_steps is not None and (isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
-            raise ValueError(f"fp8fx Fp8fxCallback: log_every_n_steps must be a positive integer or None, got {log_every_n_steps!r}")
+        if log_every_n_steps is not None and (
+            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
+        ):
+            raise ValueError(
+                f"fp8fx Fp8fxCallback: log_every_n_steps must be a positive integer or None, got {log_every_n_steps!r}"
+            )
         self.policy = policy
         self.inner = inner
         self.monitor_every = monitor_every
@@ -202,7 +212,9 @@ class Fp8fxCallback(lightning.pytorch.Callback):
                     if name in saved:
                         value = saved[name][i]
                     else:  # made by the sanity check: the checkpoint's value it took, or a new state's
-                        value = pending.get(f"states.{name}.{buf}", torch.ones_like(tensor) if buf == "scale" else torch.zeros_like(tensor))
+                        value = pending.get(
+                            f"states.{name}.{buf}", torch.ones_like(tensor) if buf == "scale" else torch.zeros_like(tensor)
+                        )
                     tensor.copy_(value)
         self._before_sanity = []
 
