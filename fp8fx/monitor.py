@@ -132,6 +132,14 @@ class TensorBoardWriter:
         for name in ("amax", "scale", "saturated", "underflow", "non_finite"):
             self.writer.add_scalar(f"fp8fx/{sample.key}/{name}", getattr(sample, name), sample.step)
 
+    def flush(self) -> None:
+        """Write the pending events to the event file."""
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file (writing after it opens a new one)."""
+        self.writer.close()
+
 
 _MONITORS: weakref.WeakValueDictionary[int, Monitor] = weakref.WeakValueDictionary()
 
