@@ -232,6 +232,18 @@ def test_delayed_scaling_resumes_exactly_from_a_checkpoint(tmp_path):
     assert without.losses != straight.losses[STEPS_PER_EPOCH:]
 
 
+def test_a_second_trainer_on_the_same_module(tmp_path):
+    first = Fp8fxCallback(inner="eager", monitor_every=1)
+    module, _ = fit(tmp_path / "first", first, max_steps=2)
+    same = Fp8fxCallback(inner="eager", monitor_every=1)
+    fit(tmp_path / "same", same, module=module, max_steps=2)
+    assert same.backend is first.backend and fp8fx.integrations.find_backend(module) is first.backend
+    other = Fp8fxCallback(policy=DELAYED, inner="eager")  # other settings: compiled again with them
+    fit(tmp_path / "other", other, module=module, max_steps=2)
+    assert other.backend is not first.backend and fp8fx.integrations.find_backend(module) is other.backend
+    assert {op.scaling for op in other.report().ops} == {"delayed"}
+
+
 def test_a_module_compiled_with_fp8fx_keeps_its_backend(tmp_path):
     module = Classifier()
     backend = fp8fx.backend(inner="eager", monitor_every=1)

@@ -54,14 +54,14 @@ def _states(pl_module: Any) -> list:
 
 
 def _is_compiled(module: Any) -> bool:
-    return getattr(module, "_compiled_call_impl", None) is not None or type(module).__name__ == "OptimizedModule"
+    return getattr(module, "_compiled_call_impl", None) is not None or isinstance(module, torch._dynamo.OptimizedModule)
 
 
 def _fp8fx_compiled(pl_module: Any) -> tuple[Any, Any] | None:
     """(backend, what fp8fx.report takes) when the user compiled the module, or submodules of it,
     with fp8fx; None when nothing is; an error when something is compiled with another backend."""
     found = []  # (backend, compiled object)
-    if find_backend(pl_module) is not None:
+    if find_backend(pl_module) is not None:  # module.compile(backend=...)
         found.append((find_backend(pl_module), pl_module))
     elif getattr(pl_module, "_compiler_ctx", None):  # trainer.fit(torch.compile(module, backend=...))
         backend = find_backend(pl_module.forward)
