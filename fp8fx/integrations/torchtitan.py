@@ -1,0 +1,222 @@
+"""fp8fx in torchtitan (0.3): a model converter that compiles each transformer block with fp8fx.
+
+torchtitan 0.3 has no converter registry of names: a job's config is a Python function (a
+`config_registry` entry picked with `--module/--config`) and converters are `Config` objects
+listed in the model registry, as torchtitan's own Float8 converter is::
+
+    from fp8fx.integrations.torchtitan import Fp8fxConverter
+    config.model_spec = model_registry(
+        "debugmodel", converters=[Fp8fxConverter.Config(policy="policy.yaml", inner="inductor")]
+    )
+
+The job config's one list of names is `override.imports`, so the converter is also registered
+there under `fp8fx.integrations.torchtitan.fp8fx`, its options as the entry's keyword
+arguments; any existing job selects it from the command line::
+
+    --override.imports 'fp8fx.integrations.torchtitan.fp8fx={"policy": "policy.yaml"}'
+
+Why the converter swaps block classes rather than setting a compile backend: in torchtitan 0.3 a
+converter transforms the model *config* before anything is built (`convert(model_config)`), so
+there is no module to compile yet, and it never sees `compile.backend`, a bare string that
+torchtitan passes to `block.compile(backend=...)`; a string cannot carry a policy, and torchtitan
+refuses any string but "inductor" and "aot_eager" for FlexAttention models. So the converter does
+what torchtitan's float8 MoE converter does: it replaces each transformer block's config
+(`TransformerBlock.Config`, the modules torchtitan's `apply_compile` compiles one by one) with
+the config of a subclass of the same block class whose constructor ends with
+`self.compile(backend=<the converter's fp8fx backend>, fullgraph=...)`. The block is compiled in
+place, so it keeps its name, its parameters and its place under `model.layers` for activation
+checkpointing, FSDP and checkpoints; all blocks share one backend and so one report
+(`report(model)`), which has one graph per block shape since Dynamo compiles a block once and
+reuses the graph for its siblings (sites are named inside the block: `attention.wo`,
+`feed_forward.w2`; a policy rule for one block, `layers.3.*`, therefore never matches; use
+`fqns` to leave whole blocks out). The embedding, final norm and `lm_head` stay outside the
+blocks and run in high precision. When torchtitan's own compile is on as well
+(`compile.enable`, "model" in `compile.components`), its `block.compile(backend=...)` call keeps
+the fp8fx backend; but with activation checkpointing torchtitan compiles the checkpoint wrapper
+around the block, whose backend would replace fp8fx's, so the converter refuses
+`model_compile_enabled=True` and the fp8fx blocks must be the only compile of the model.
+
+No `post_optimizer_build_fn`: fp8fx keeps no state that the optimizer step invalidates. Dynamic
+scales are computed inside each compiled step, and delayed-scaling amax histories and scales are
+updated inside the compiled graph every step (the converter gives each block a place for them
+with `fp8fx.prepare`, so they are in the model's state dict); there is no FP8 weight cache to
+refresh after `optimizer.step()`, which is what torchao's float8 needs that hook for with FSDP.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from fp8fx.compiler import INNER_COMPILERS, Fp8fxBackend
+from fp8fx.compiler import backend as make_backend
+from fp8fx.compiler import report as compiled_report
+from fp8fx.integrations import require
+from fp8fx.policy import Policy
+from fp8fx.reporting import Report
+from fp8fx.state import prepare
+
+require("torchtitan", "0.3.0", "titan")
+
+from torchtitan.components.quantization import QuantizationConverter
+from torchtitan.config.override import override
+from torchtitan.models.common.decoder import TransformerBlock
+from torchtitan.protocols.model import BaseModel
+
+__all__ = ["Fp8fxConverter", "backend_of", "fp8fx", "report"]
+
+_block_classes: dict[type, type] = {}
+
+
+def _fp8fx_block_class(block_class: type) -> type:
+    """The subclass of `block_class` that compiles itself with fp8fx when built (one per class)."""
+    if block_class in _block_classes:
+        return _block_classes[block_class]
+
+    class Fp8fxBlock(block_class):  # type: ignore[misc, valid-type]
+        @dataclass(kw_only=True, slots=True)
+        class Config(block_class.Config):  # type: ignore[misc, name-defined]
+            # Private ("_"), like Float8Linear's `_torchao_config`: left out of the logged config.
+            _fp8fx_backend: Fp8fxBackend | None = None
+            _fp8fx_fullgraph: bool = True
+
+        def __init__(self, config: Any):
+            if config._fp8fx_backend is None:
+                raise ValueError(
+                    f"fp8fx: {type(self).__name__}.Config is made by Fp8fxConverter.convert, which gives it a backend"
+                )
+            super().__init__(config)
+            self._fp8fx_backend = config._fp8fx_backend
+            self._fp8fx_fullgraph = config._fp8fx_fullgraph
+            if self._fp8fx_backend.policy.uses_delayed_scaling:
+                prepare(self)
+            self.compile()
+
+        def compile(self, *args: Any, **kwargs: Any) -> None:
+            """Compile in place with the converter's fp8fx backend, whatever backend the caller
+            names (torchtitan's `apply_compile` passes `compile.backend`)."""
+            kwargs["backend"] = self._fp8fx_backend
+            kwargs.setdefault("fullgraph", self._fp8fx_fullgraph)
+            super().compile(*args, **kwargs)
+
+    Fp8fxBlock.__name__ = Fp8fxBlock.__qualname__ = f"Fp8fx{block_class.__name__}"
+    Fp8fxBlock.Config.__qualname__ = f"Fp8fx{block_class.__name__}.Config"
+    _block_classes[block_class] = Fp8fxBlock
+    return Fp8fxBlock
+
+
+class Fp8fxConverter(QuantizationConverter):
+    """Compile every transformer block (`TransformerBlock.Config` in the model config) with one
+    fp8fx backend. A quantization converter: torchtitan checks that it comes before LoRA."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(QuantizationConverter.Config):
+        policy: str | None = None
+        """Path of an fp8fx policy YAML file (None: fp8fx's defaults, or `recipe`)."""
+
+        recipe: str | None = None
+        """A named fp8fx recipe (tensorwise, rowwise, rowwise_gw_hp, blockwise, delayed, megatron)
+        instead of a policy file."""
+
+        inner: str = "inductor"
+        """The compiler that runs the rewritten graphs: "inductor", or "eager" (CPU, debugging)."""
+
+        fqns: list[str] = field(default_factory=list)
+        """Globs of the blocks to convert (`layers.1`, `layers.[0-3]`); empty: every block."""
+
+        fullgraph: bool = True
+        """Compile each block as one graph, as torchtitan's own compile does."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        if config.model_compile_enabled:
+            raise ValueError(
+                "fp8fx converter: the fp8fx blocks compile themselves; turn torchtitan's model compile off "
+                "(compile.enable false, or leave 'model' out of compile.components), since with activation "
+                "checkpointing torchtitan would compile the checkpoint wrapper over them with compile.backend"
+            )
+        if config.inner not in INNER_COMPILERS:
+            raise ValueError(f"fp8fx converter: inner must be one of {', '.join(INNER_COMPILERS)}, got {config.inner!r}")
+        if config.policy is not None and config.recipe is not None:
+            raise ValueError("fp8fx converter: give a policy file or a recipe, not both")
+        policy = Policy.from_recipe(config.recipe) if config.recipe is not None else config.policy
+        self.backend = make_backend(policy=policy, inner=config.inner)
+
+    def convert(self, model_config: Any) -> Any:
+        """Replace each selected transformer block config by its self-compiling subclass's, in
+        place (the same root config is returned, which `override.imports` relies on: torchtitan's
+        Trainer builds the model config object it held before applying overrides)."""
+        converted = tuple(cls.Config for cls in _block_classes.values())
+        found = False
+        for fqn, block, parent, attr in model_config.traverse(TransformerBlock.Config):
+            found = True
+            if parent is None:
+                raise ValueError(
+                    "fp8fx converter: the config is a single transformer block; convert the model config that holds it"
+                )
+            if isinstance(block, converted):
+                continue
+            if self.config.fqns and not any(fnmatch.fnmatchcase(fqn, pattern) for pattern in self.config.fqns):
+                continue
+            owner = type(block)._owner
+            if owner is None:
+                raise ValueError(f"fp8fx converter: {type(block).__qualname__} at {fqn} has no module class to subclass")
+            new_class = _fp8fx_block_class(owner).Config
+            new = new_class(
+                **{f.name: getattr(block, f.name) for f in fields(block) if f.init},
+                _fp8fx_backend=self.backend,
+                _fp8fx_fullgraph=self.config.fullgraph,
+            )
+            if isinstance(parent, list):
+                parent[attr] = new
+            else:
+                setattr(parent, attr, new)
+        if not found:
+            raise ValueError(
+                f"fp8fx converter: {type(model_config).__qualname__} has no transformer blocks (TransformerBlock.Config) to compile"
+            )
+        return model_config
+
+
+@override(target=BaseModel.Config, description="fp8fx: compile each transformer block with an fp8fx backend")
+def fp8fx(
+    model_config: Any,
+    *,
+    policy: str | None = None,
+    recipe: str | None = None,
+    inner: str = "inductor",
+    fqns: list[str] | None = None,
+    fullgraph: bool = True,
+) -> Any:
+    """`--override.imports 'fp8fx.integrations.torchtitan.fp8fx={"policy": "p.yaml", "inner": "inductor"}'`:
+    `Fp8fxConverter` applied to the job's model config, with these options."""
+    config = Fp8fxConverter.Config(policy=policy, recipe=recipe, inner=inner, fqns=list(fqns or ()), fullgraph=fullgraph)
+    return Fp8fxConverter(config).convert(model_config)
+
+
+def backend_of(model: torch.nn.Module) -> Fp8fxBackend:
+    """The fp8fx backend the converted blocks of `model` (or one model part) share."""
+    found = {id(b): b for m in model.modules() if (b := getattr(m, "_fp8fx_backend", None)) is not None}
+    if not found:
+        raise ValueError(
+            "fp8fx.integrations.torchtitan: the model has no fp8fx blocks; add Fp8fxConverter.Config() to its converters"
+        )
+    if len(found) > 1:
+        raise ValueError(
+            f"fp8fx.integrations.torchtitan: the model's blocks use {len(found)} fp8fx backends; report on each block"
+        )
+    return next(iter(found.values()))
+
+
+def report(model: torch.nn.Module) -> Report:
+    """The precision report of `model`'s fp8fx blocks (after the first forward and backward)."""
+    backend = backend_of(model)
+    if not backend.graphs:
+        raise ValueError(
+            "fp8fx.integrations.torchtitan: the fp8fx blocks have compiled no graph; run a forward first, and if one ran, another "
+            "torch.compile traced the blocks instead (torchtitan's compile.enable with activation checkpointing): turn that off"
+        )
+    return compiled_report(backend)
