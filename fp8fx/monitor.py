@@ -125,7 +125,7 @@ class TensorBoardWriter:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
-            raise ImportError("fp8fx TensorBoardWriter needs the tensorboard package: pip install tensorboard") from e
+            raise ImportError("fp8fx TensorBoardWriter needs the tensorboard package: pip install 'fp8fx[tensorboard]'") from e
         self.writer = SummaryWriter(str(logdir))
 
     def write(self, sample: Sample) -> None:
