@@ -225,3 +225,14 @@ def test_delayed_scaling_state_lives_in_each_block_and_the_state_dict():
     assert scales[0] != scales[1] and all(s > 1 for s in scales)  # scaled from each block's own weight amaxes
     assert state[f"layers.0.{key}.steps"].item() == state[f"layers.1.{key}.steps"].item() == 2
     assert sum(k.endswith(".scale") for k in state if "fp8fx_state" in k) == 2 * 14  # 14 casts per block
+
+
+@pytest.mark.slow
+def test_the_default_inductor_inner_compiler(plain):
+    _, (ref_loss, ref_logits, _) = plain
+    model = build(model_registry("debugmodel", converters=[Fp8fxConverter.Config()]).model)
+    loss, logits, _ = step(model)
+    assert backend_of(model).inner == "inductor"
+    assert report(model).summary()["fp8_gemms"] == 15
+    assert abs(loss - ref_loss) < 1e-3 * ref_loss
+    assert 30 < sqnr(ref_logits, logits) < 80

@@ -15,32 +15,42 @@ arguments; any existing job selects it from the command line::
 
     --override.imports 'fp8fx.integrations.torchtitan.fp8fx={"policy": "policy.yaml"}'
 
-Why the converter swaps block classes rather than setting a compile backend: in torchtitan 0.3 a
-converter transforms the model *config* before anything is built (`convert(model_config)`), so
-there is no module to compile yet, and it never sees `compile.backend`, a bare string that
-torchtitan passes to `block.compile(backend=...)`; a string cannot carry a policy, and torchtitan
-refuses any string but "inductor" and "aot_eager" for FlexAttention models. So the converter does
-what torchtitan's float8 MoE converter does: it replaces each transformer block's config
-(`TransformerBlock.Config`, the modules torchtitan's `apply_compile` compiles one by one) with
-the config of a subclass of the same block class whose constructor ends with
-`self.compile(backend=<the converter's fp8fx backend>, fullgraph=...)`. The block is compiled in
-place, so it keeps its name, its parameters and its place under `model.layers` for activation
-checkpointing, FSDP and checkpoints; all blocks share one backend and so one report
-(`report(model)`), which has one graph per block shape since Dynamo compiles a block once and
-reuses the graph for its siblings (sites are named inside the block: `attention.wo`,
-`feed_forward.w2`; a policy rule for one block, `layers.3.*`, therefore never matches; use
-`fqns` to leave whole blocks out). The embedding, final norm and `lm_head` stay outside the
-blocks and run in high precision. When torchtitan's own compile is on as well
-(`compile.enable`, "model" in `compile.components`), its `block.compile(backend=...)` call keeps
-the fp8fx backend; but with activation checkpointing torchtitan compiles the checkpoint wrapper
-around the block, whose backend would replace fp8fx's, so the converter refuses
-`model_compile_enabled=True` and the fp8fx blocks must be the only compile of the model.
+(The override claims the whole model config, and torchtitan refuses two overrides on nested
+nodes: next to another override inside the model, list `Fp8fxConverter.Config` instead.)
 
-No `post_optimizer_build_fn`: fp8fx keeps no state that the optimizer step invalidates. Dynamic
-scales are computed inside each compiled step, and delayed-scaling amax histories and scales are
-updated inside the compiled graph every step (the converter gives each block a place for them
-with `fp8fx.prepare`, so they are in the model's state dict); there is no FP8 weight cache to
-refresh after `optimizer.step()`, which is what torchao's float8 needs that hook for with FSDP.
+Why the converter swaps block classes rather than setting the compile backend: in torchtitan 0.3
+a converter transforms the model *config* before anything is built (`convert(model_config)`), so
+there is no module to compile yet, and it never sees `compile.backend`, a bare string that
+torchtitan hands to `block.compile(backend=...)`. The string "fp8fx" names fp8fx's registered
+backend, but a string carries no policy or inner compiler, and torchtitan refuses any backend
+but "inductor" and "aot_eager" for FlexAttention models. So the converter does what torchtitan's
+float8 MoE converter does: it replaces each transformer block's config (`TransformerBlock.Config`,
+the modules torchtitan's `apply_compile` compiles one by one) with the config of a subclass of the
+same block class whose constructor ends with `self.compile(backend=<the converter's fp8fx
+backend>)`, one graph per block as torchtitan's compile (`fullgraph`). Compiled in place, a block keeps its class's behaviour, its name, its
+parameters and its place under `model.layers`, so activation checkpointing, FSDP2 and checkpoints
+see the model they expect. All blocks share one backend and so one report (`report(model)`), with
+one graph per distinct block: Dynamo compiles the first block and reuses the graph for the others,
+so sites are named inside the block (`attention.wo`, `feed_forward.w2`) and a policy rule for one
+block (`layers.3.*`) never matches; `fqns` leaves whole blocks out instead. The embedding, the
+final norm and `lm_head` are outside the blocks and stay in high precision.
+
+torchtitan's own compile must stay off for the model (`compile.enable` false, or "model" not in
+`compile.components`; compiling the loss is fine). Without activation checkpointing its
+`block.compile(backend=...)` call would keep the fp8fx backend (the block's `compile` always uses
+it), but with activation checkpointing torchtitan compiles the checkpoint wrapper around each
+block, and that outer compile traces the block itself, so fp8fx would never run. The converter
+refuses `model_compile_enabled=True`; the override cannot see the compile settings, and
+`report(model)` says when no block was compiled by fp8fx.
+
+No `post_optimizer_build_fn` (torchtitan 0.3's hook after the optimizer is built, which replaced
+the converters' `post_optimizer_hook`): fp8fx keeps nothing that an optimizer step makes stale.
+Dynamic scales are computed inside each compiled step; delayed-scaling amax histories and scales
+are updated inside the compiled graph (each block gets a place for them with `fp8fx.prepare`);
+there is no FP8 weight copy to refresh after `optimizer.step()`, which is what torchao's float8
+uses that hook for under FSDP. Delayed-scaling state is in the model's state dict from the first
+step on, so torchtitan's checkpoints hold it; a resumed job starts it afresh, because the state
+does not exist yet when torchtitan's checkpointer loads (it loads only the keys the model has).
 """
 
 from __future__ import annotations
@@ -66,7 +76,7 @@ from torchtitan.config.override import override
 from torchtitan.models.common.decoder import TransformerBlock
 from torchtitan.protocols.model import BaseModel
 
-__all__ = ["Fp8fxConverter", "backend_of", "fp8fx", "report"]
+__all__ = ["Fp8fxConverter", "backend_of", "report"]  # and `fp8fx`, the override, named by its path
 
 _block_classes: dict[type, type] = {}
 
