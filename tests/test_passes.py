@@ -263,3 +263,34 @@ def test_fused_attention_is_reported_high_with_its_flops(grad):
     # Two (B*H) x 16 x 16 x 16 products forward: q @ k^T and p @ v.
     assert sum(op.flops for op in attention if op.role == "output") == 2 * (2 * 2 * 16 * 16 * 16) * 2
     assert all(op.precision == "fp8" for op in report.find(site="qkv"))
+
+
+class WrappedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("wraps", [1, 2])
+def test_sites_keep_their_module_names_when_a_forward_is_wrapped_in_a_closure(wraps):
+    """Frameworks replace `forward` with a closure over the bound method (torchtitan's
+    parallelize); Dynamo then names modules through the closure, and a rule naming the module
+    must still apply."""
+
+    def wrap(fn):
+        def forward(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        return forward
+
+    model = nn.Sequential(WrappedBlock(), WrappedBlock())
+    for _ in range(wraps):
+        model[1].forward = wrap(model[1].forward)
+    policy = Policy(rules=(Rule(match="1.down", precision="high"),))
+    cap = compile_captured(model, policy)
+    cap.compiled(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    sites = {op.site: op.precision for op in cap.report.ops}
+    assert sites == {"0.up": "fp8", "0.down": "fp8", "1.up": "fp8", "1.down": "high"}

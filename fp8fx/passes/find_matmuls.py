@@ -299,6 +299,10 @@ def module_fqn(node: fx.Node) -> str:
     # through a wrapper's *args, "L['args'][0].lm_head": make it a plain FQN.
     path = re.sub(r"^L\['[^']*'\](\[\d+\])?", "", path)
     path = path.replace("._modules['", ".").replace("['", ".").replace("']", "").replace("[", ".").replace("]", "")
+    # A forward wrapped in a closure (torchtitan's parallelize, hooks that replace `forward`) is
+    # reached through the bound method it holds: "attn.forward.__closure__.0.cell_contents.__self__"
+    # is "attn" again.
+    path = re.sub(r"\.\w+(\.__closure__\.\d+\.cell_contents)+\.__self__(?=\.|$)", "", "." + path)
     return path.strip(".")
 
 
@@ -400,7 +404,11 @@ def find_matmuls(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                     site.gemms.update(_custom_backward_gemms(bw))
                     continue
                 if is_conv(bw) or site.op == "conv":  # a convolution's gradients: one convolution_backward
-                    if bw.target is aten.convolution_backward.default and site.op == "conv" and not {"grad_input", "grad_weight"} & set(site.gemms):
+                    if (
+                        bw.target is aten.convolution_backward.default
+                        and site.op == "conv"
+                        and not {"grad_input", "grad_weight"} & set(site.gemms)
+                    ):
                         site.gemms.update(_conv_gemms(bw))
                     else:
                         unlinked.append(bw)
@@ -452,7 +460,9 @@ def _depends_on_tangents(graph: fx.Graph) -> set[fx.Node]:
     nodes of custom autograd Functions carry no `autograd_backward` meta, so look at data flow.)"""
     found: set[fx.Node] = set()
     for node in graph.nodes:
-        if (node.op == "placeholder" and str(node.target).startswith("tangents")) or any(i in found for i in node.all_input_nodes):
+        if (node.op == "placeholder" and str(node.target).startswith("tangents")) or any(
+            i in found for i in node.all_input_nodes
+        ):
             found.add(node)
     return found
 
