@@ -44,12 +44,13 @@ def require(module: str, minimum: str, extra: str, distribution: str | None = No
 
 def summary_metrics(report: Report) -> dict[str, float]:
     """The report summary's numbers, as `fp8fx/<name>` scalars a logger takes (None values left out)."""
+    summary = report.summary()
     out = {}
-    for name, value in report.summary().items():
+    for name, value in summary.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         out[f"fp8fx/{name}"] = float(value)
-    for kind, n in report.summary()["fallbacks_by_reason"].items():
+    for kind, n in summary["fallbacks_by_reason"].items():
         out[f"fp8fx/high_gemms/{kind}"] = float(n)
     return out
 
