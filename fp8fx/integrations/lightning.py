@@ -37,7 +37,7 @@ import torch
 import fp8fx
 from fp8fx.integrations import MonitorLog, find_backend, require, save_report, summary_metrics
 from fp8fx.policy import Policy
-from fp8fx.state import BUFFERS, STATE_ATTR
+from fp8fx.state import BUFFERS, STATE_ATTR, DelayedScalingState
 
 lightning = require("lightning", "2.4", "lightning")
 
@@ -208,14 +208,10 @@ class Fp8fxCallback(lightning.pytorch.Callback):
         batches: Lightning runs them again when a run resumes, and they would move the scales."""
         for state, saved, pending in self._before_sanity:
             for name, s in state.states.items():
-                for i, (buf, tensor) in enumerate(zip(BUFFERS, s.tensors())):
-                    if name in saved:
-                        value = saved[name][i]
-                    else:  # made by the sanity check: the checkpoint's value it took, or a new state's
-                        value = pending.get(
-                            f"states.{name}.{buf}", torch.ones_like(tensor) if buf == "scale" else torch.zeros_like(tensor)
-                        )
-                    tensor.copy_(value)
+                # A state the sanity check made: the checkpoint's values it took, or a new state's.
+                initial = saved.get(name) or DelayedScalingState(s.amax_history.numel()).tensors()
+                for buf, tensor, value in zip(BUFFERS, s.tensors(), initial):
+                    tensor.copy_(value if name in saved else pending.get(f"states.{name}.{buf}", value))
         self._before_sanity = []
 
     # -- checkpoints ---------------------------------------------------------------------------
