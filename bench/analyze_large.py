@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--train", action="store_true")
     ap.add_argument("--no-fold", action="store_true")
-    ap.add_argument("--target", default="h100", help="GPU the cost model predicts for (fp8fx.costmodel)")
+    ap.add_argument("--target", default="h100", help="GPU the cost model predicts for (fp8fx.reporting.costmodel)")
     args = ap.parse_args()
     start = time.perf_counter()
     model = build(args.model)

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 import fp8fx
-from fp8fx.demo import TinyTransformer
 from fp8fx.distributed import ddp_with_level, enable_fp8_all_gather, shard_with_level
+from fp8fx.tools.demo import TinyTransformer
 
 WORLD = 2
 POLICY = fp8fx.Policy.from_recipe("tensorwise", rules=(fp8fx.Rule(match="lm_head", precision="high"),))

@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 
 
 def llama_variants() -> list:
-    import fp8fx
     from helpers import tiny_llama
+
+    import fp8fx
 
     torch.manual_seed(0)
     backend = fp8fx.backend(inner="eager", keep_graphs=True)

@@ -12,10 +12,10 @@ import argparse
 import copy
 
 import torch
+from train_step import build_model, time_steps
 
 import fp8fx
-from fp8fx.policy import Shadow
-from train_step import build_model, time_steps
+from fp8fx.core.policy import Shadow
 
 
 def main() -> None:

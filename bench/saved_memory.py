@@ -13,7 +13,7 @@ import argparse
 import torch
 
 import fp8fx
-from fp8fx.demo import TinyTransformer
+from fp8fx.tools.demo import TinyTransformer
 
 
 class Logits(torch.nn.Module):

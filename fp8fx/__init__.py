@@ -5,13 +5,23 @@
     print(fp8fx.report(compiled))
 """
 
-from fp8fx.analysis import CoverageError, ModelFileError, analyze, assert_coverage, load_model_file
-from fp8fx.compiler import Fp8fxBackend, backend, report, stats
-from fp8fx.export import ExportError, ExportResult, export_onnx
-from fp8fx.formats import Fp8Format, FormatRecipe
-from fp8fx.policy import FastAccum, GemmPrecisions, Policy, PolicyError, Precision, Rule, Settings, load_policy, policy_from_yaml
-from fp8fx.reporting import OpRecord, Report
-from fp8fx.state import prepare
+from fp8fx.compiler.backend import Fp8fxBackend, backend, report, stats
+from fp8fx.compiler.state import prepare
+from fp8fx.core.formats import FormatRecipe, Fp8Format
+from fp8fx.core.policy import (
+    FastAccum,
+    GemmPrecisions,
+    Policy,
+    PolicyError,
+    Precision,
+    Rule,
+    Settings,
+    load_policy,
+    policy_from_yaml,
+)
+from fp8fx.reporting.records import OpRecord, Report
+from fp8fx.tools.analyze import CoverageError, ModelFileError, analyze, assert_coverage, load_model_file
+from fp8fx.tools.export import ExportError, ExportResult, export_onnx
 
 __version__ = "0.1.0"
 

@@ -23,11 +23,11 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fp8fx.formats import Fp8Format
+from fp8fx.core.formats import Fp8Format
+from fp8fx.core.policy import Granularity, Level, Policy, Precision, Scaling, as_policy
 from fp8fx.ops import reference
-from fp8fx.optim import Fp8AdamW
 from fp8fx.passes.assign_precision import ALIGN
-from fp8fx.policy import Granularity, Level, Policy, Precision, Scaling, as_policy
+from fp8fx.runtime.optim import Fp8AdamW
 
 # Ops FSDP2 uses to shard, pad and copy a parameter: their results stay wrapped. Everything else
 # (optimizer arithmetic, reductions) sees the plain high-precision tensor.

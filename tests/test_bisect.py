@@ -1,18 +1,17 @@
-"""Divergence bisection (fp8fx.bisect, `fp8fx bisect`): a planted bad GEMM is found, exactly."""
+"""Divergence bisection (fp8fx.tools.bisect, `fp8fx bisect`): a planted bad GEMM is found, exactly."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-
 import torch
 from torch import nn
 from typer.testing import CliRunner
 
 import fp8fx
-from fp8fx.bisect import bisect
 from fp8fx.cli import app
+from fp8fx.tools.bisect import bisect
 
 ASSETS = Path(__file__).parent / "assets"
 # Layer "2" casts with its scale divided by 2**24: every forward value underflows to zero in E4M3.
@@ -52,7 +51,7 @@ def test_cli_bisect_writes_the_patch(tmp_path):
 
 
 def test_a_diverged_run_counts_as_the_largest_gap():
-    from fp8fx.bisect import DIVERGED, _gap
+    from fp8fx.tools.bisect import DIVERGED, _gap
 
     reference = [2.0, 1.0]
     assert _gap([2.2, 1.0], reference) == pytest.approx(0.05)

@@ -12,8 +12,8 @@ from helpers import compile_captured, sqnr
 from torch import nn
 
 import fp8fx
-from fp8fx.costmodel import gpu
-from fp8fx.report_html import render_html
+from fp8fx.reporting.costmodel import gpu
+from fp8fx.reporting.html import render_html
 
 
 class PatchEmbed(nn.Module):

@@ -1,4 +1,4 @@
-"""The cost model (fp8fx.costmodel) against published FP8 speedups, and its unit behaviour.
+"""The cost model (fp8fx.reporting.costmodel) against published FP8 speedups, and its unit behaviour.
 
 The published figures are those gathered in /work/shared/RESEARCH.md; each test cites its line.
 The model's parameters are the defaults of `GpuSpec`, the same for every test."""
@@ -12,9 +12,9 @@ import torch
 from helpers import meta_llama
 
 import fp8fx
-from fp8fx.costmodel import TARGETS, GpuSpec, gpu, predict, predict_step
-from fp8fx.policy import Rule
-from fp8fx.reporting import OpRecord
+from fp8fx.core.policy import Rule
+from fp8fx.reporting.costmodel import TARGETS, GpuSpec, gpu, predict, predict_step
+from fp8fx.reporting.records import OpRecord
 
 
 def record(role, m, n, k, operands, op="mm", precision="fp8", scaling="dynamic", granularity="tensorwise", flops=None, batch=1):

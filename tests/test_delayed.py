@@ -14,7 +14,7 @@ from torch import nn
 
 import fp8fx
 from fp8fx import Policy, ops
-from fp8fx.demo import TinyTransformer
+from fp8fx.tools.demo import TinyTransformer
 
 SEQUENCE = [2.0, 8.0, 0.0, 1.0, 300.0, 1.0, 0.0, float("inf"), 1.0, 1.0, float("nan"), 0.5, 0.5, 0.5, 0.5, 4.0]
 

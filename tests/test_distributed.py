@@ -25,7 +25,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fp8fx
-from fp8fx.demo import TinyTransformer
 from fp8fx.distributed import (
     Fp8GradientComm,
     Fp8ReduceScatter,
@@ -34,6 +33,7 @@ from fp8fx.distributed import (
     fp8_allreduce_hook,
     shard_with_level,
 )
+from fp8fx.tools.demo import TinyTransformer
 
 WORLD, STEPS, BATCH, SEQ, LR = 2, 3, 8, 16, 0.5
 # (model, recipe, how): how = "compile-wrap" or "wrap-compile"
@@ -310,8 +310,8 @@ def test_fp8_all_gather_decides_every_linear_with_a_reason(policy, reason):
 def test_fp8_all_gather_round_trip_is_exact_for_the_graph_cast():
     """One rank's pre/post all-gather: the dequantized weight, cast again by the graph's
     tensorwise cast, gives back the very FP8 values that were sent."""
-    from fp8fx.formats import saturating_cast
-    from fp8fx.scaling import amax_to_scale, tensor_amax
+    from fp8fx.core.formats import saturating_cast
+    from fp8fx.core.scaling import amax_to_scale, tensor_amax
 
     class OneRank:
         def size(self) -> int:

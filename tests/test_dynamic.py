@@ -9,10 +9,10 @@ import json
 
 import pytest
 import torch
+from helpers import sqnr
 from torch import nn
 
 import fp8fx
-from helpers import sqnr
 
 
 class GatedMlp(nn.Module):

@@ -1,4 +1,4 @@
-"""ONNX FP8 export (fp8fx.export): real models, onnxruntime, node and initializer counts, errors."""
+"""ONNX FP8 export (fp8fx.tools.export): real models, onnxruntime, node and initializer counts, errors."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from torch import nn
 from typer.testing import CliRunner
 
 import fp8fx
-from fp8fx.analysis import load_model_file
 from fp8fx.cli import app
-from fp8fx.demo import TinyTransformer
-from fp8fx.export import ExportError, export_onnx
+from fp8fx.tools.analyze import load_model_file
+from fp8fx.tools.demo import TinyTransformer
+from fp8fx.tools.export import ExportError, export_onnx
 
 ASSETS = Path(__file__).parent / "assets"
 E4M3 = onnx.TensorProto.FLOAT8E4M3FN
@@ -165,7 +165,7 @@ def test_mlp_sweep_exports_and_matches_as_deployed(tmp_path, activation, rank, b
 def test_verification_runs_onnxruntime_as_deployed(tmp_path, monkeypatch, activation, rank, message):
     """With Relu/Clip left as they are, onnxruntime's default optimisations change or reject the
     model (even 3-D, where a Reshape sits between the Relu and the QuantizeLinear): it is refused."""
-    import fp8fx.export as export_module
+    import fp8fx.tools.export as export_module
 
     monkeypatch.setattr(export_module, "_clamps_as_max_min", lambda graph: None)
     model, inputs = mlp(activation, rank, bias=True)
@@ -206,7 +206,7 @@ def test_bad_input_is_one_clear_error_and_no_file(tmp_path, model, inputs, polic
 
 
 def test_a_mismatch_with_the_emulation_is_an_error(tmp_path, monkeypatch):
-    import fp8fx.export as export_module
+    import fp8fx.tools.export as export_module
 
     real = export_module._onnx_translations
 
@@ -251,7 +251,7 @@ def test_delayed_scaling_exports_the_scale_training_ended_with(tmp_path):
     for _ in range(3):
         compiled(*inputs).float().logsumexp(-1).mean().backward()
     torch._dynamo.reset()
-    from fp8fx.state import state_for, state_key
+    from fp8fx.compiler.state import state_for, state_key
 
     scale = state_for(list(model.parameters())).get(state_key("lm_head", "output", "input")).scale.item()
     # calibration on other data (all token 0) would give another scale: the state must win

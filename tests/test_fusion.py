@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
-
-import fp8fx
 from helpers import FP8_GEMM, SCALED_MM, GatedBlock, count, sqnr, tiny_gpt2, tiny_llama
 from test_training import GRAD_SQNR_DB, OUTPUT_SQNR_DB
+
+import fp8fx
 
 aten = torch.ops.aten
 ELEMENTWISE = (aten.gelu.default, aten.silu.default, aten.relu.default, aten.mul.Tensor, aten.add.Tensor)

@@ -1,4 +1,4 @@
-"""The HTML report (fp8fx.report_html): content checks on real analyses with synthetic predictions and
+"""The HTML report (fp8fx.reporting.html): content checks on real analyses with synthetic predictions and
 numerics, and a render in headless Chromium."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import meta_llama
 
 import fp8fx
-from fp8fx.report_html import MAX_BARS, MAX_POINTS, render_html
-from helpers import meta_llama
+from fp8fx.reporting.html import MAX_BARS, MAX_POINTS, render_html
 
 CHROMIUM = Path("/usr/bin/chromium")
 RECIPES = ("tensorwise", "rowwise")

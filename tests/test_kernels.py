@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from fp8fx.codegen.variants import GPU_TARGETS, configs_for
-from fp8fx.codegen.targets import build_all, coverage_variants
 from helpers import GatedBlock, compile_captured, tiny_llama
+
+from fp8fx.codegen.targets import build_all, coverage_variants
+from fp8fx.codegen.variants import GPU_TARGETS, configs_for
 
 ROOT = Path(__file__).parent.parent
 

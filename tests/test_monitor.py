@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
+from helpers import count
 from torch import nn
 
 import fp8fx
-from fp8fx.monitor import JsonlWriter
-from helpers import count
+from fp8fx.runtime.monitor import JsonlWriter
 
 OBSERVE = torch.ops.fp8fx.observe.default
 
@@ -95,7 +95,7 @@ def test_the_monitor_adds_one_observe_per_cast_and_nothing_when_off():
 def test_the_report_carries_the_samples_and_the_html_plots_them(tmp_path):
     from pathlib import Path
 
-    from fp8fx.report_html import render_html
+    from fp8fx.reporting.html import render_html
 
     model, _ = compiled_layer("delayed", every=1)
     for gain in (1, 10, 100):

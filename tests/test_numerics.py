@@ -8,11 +8,11 @@ import math
 
 import pytest
 import torch
+from helpers import tiny_llama
 from torch import nn
 
 import fp8fx
-from fp8fx.suggest import suggest_policy
-from helpers import tiny_llama
+from fp8fx.tools.suggest import suggest_policy
 
 E4M3 = torch.float8_e4m3fn
 
@@ -80,7 +80,7 @@ def test_training_numerics_cover_every_gemm_with_what_ifs():
     assert linear and all(op.numerics is not None for op in linear)
     for op in linear:
         what_if = op.numerics.what_if
-        assert set(what_if) == set(fp8fx.policy.RECIPES)
+        assert set(what_if) == set(fp8fx.core.policy.RECIPES)
         if op.precision == "fp8":
             assert 10 < op.numerics.sqnr_db < 60
             assert what_if["tensorwise"] == pytest.approx(op.numerics.sqnr_db)  # the chosen recipe

@@ -10,7 +10,7 @@ import torch
 
 from fp8fx import ops
 from fp8fx.codegen.scaled_mm_cuda import scaled_mm_2d, scaled_mm_cuda
-from fp8fx.formats import Fp8Format, FormatRecipe, saturating_cast
+from fp8fx.core.formats import FormatRecipe, Fp8Format, saturating_cast
 
 E4M3, E5M2 = Fp8Format.E4M3, Fp8Format.E5M2
 
@@ -200,8 +200,8 @@ def test_scaled_mm_mixes_tensorwise_and_blockwise_operands():
 def test_scales_stay_finite_and_normal_for_any_amax_and_margin():
     """scale and 1 / scale are finite for every finite amax, the largest margin included (a zero
     or subnormal scale would turn every output into NaN or inf)."""
-    from fp8fx.policy import MAX_MARGIN
-    from fp8fx.scaling import amax_to_scale
+    from fp8fx.core.policy import MAX_MARGIN
+    from fp8fx.core.scaling import amax_to_scale
 
     amax = torch.tensor([1e-45, 1e-30, 1.0, 1e30, torch.finfo(torch.float32).max])
     for margin in (0, MAX_MARGIN):

@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import sqnr
 
-from fp8fx.optim import Fp8AdamW
+from fp8fx.runtime.optim import Fp8AdamW
 
 
 def regression(seed: int, shape: tuple[int, int]):
@@ -88,11 +88,11 @@ def test_bad_hyperparameters_are_named(kwargs, message):
 def test_without_quantization_the_update_is_adamw(monkeypatch):
     """The moments' quantizers are the only difference from torch's AdamW (bias correction, decoupled
     weight decay and eps as torch has them, over many steps)."""
-    import fp8fx.optim
+    import fp8fx.runtime.optim
 
     keep = lambda x: (x.clone(), torch.tensor(1.0))  # noqa: E731
-    monkeypatch.setattr(fp8fx.optim, "_quantize_fp8", keep)
-    monkeypatch.setattr(fp8fx.optim, "_quantize_fp16", keep)
+    monkeypatch.setattr(fp8fx.runtime.optim, "_quantize_fp8", keep)
+    monkeypatch.setattr(fp8fx.runtime.optim, "_quantize_fp16", keep)
     ours, _ = train(Fp8AdamW, 0, (16, 32), 200, lr=1e-2, weight_decay=0.1, betas=(0.8, 0.99), eps=1e-6)
     theirs, _ = train(torch.optim.AdamW, 0, (16, 32), 200, lr=1e-2, weight_decay=0.1, betas=(0.8, 0.99), eps=1e-6)
     assert sqnr(ours, theirs) > 100.0

@@ -12,7 +12,7 @@ from helpers import compile_captured, sqnr
 from torch import nn
 
 from fp8fx import GemmPrecisions, Policy, Rule, Settings
-from fp8fx.demo import TinyTransformer
+from fp8fx.tools.demo import TinyTransformer
 
 
 class LinearModel(nn.Module):  # nn.Linear on a 3-D input -> addmm with views around it

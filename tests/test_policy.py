@@ -1,4 +1,4 @@
-"""Tests for fp8fx.policy: YAML loading, rule resolution, error reporting, and `fp8fx policy validate`."""
+"""Tests for fp8fx.core.policy: YAML loading, rule resolution, error reporting, and `fp8fx policy validate`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 import fp8fx
 from fp8fx.cli import app
-from fp8fx.formats import FormatRecipe
-from fp8fx.policy import GEMM_ROLES, GemmPrecisions, Granularity, Policy, PolicyError, Precision, Rule, Scaling, Settings
+from fp8fx.core.formats import FormatRecipe
+from fp8fx.core.policy import GEMM_ROLES, GemmPrecisions, Granularity, Policy, PolicyError, Precision, Rule, Scaling, Settings
 
 FP8, HIGH = Precision.FP8, Precision.HIGH
 
@@ -135,7 +135,7 @@ def test_resolve(policy, names, op, index, fmt, gemms, sources, forced):
 
 @pytest.mark.parametrize("alias,role,prec,base", [
     (a, r, p, b) for (a, r), p, b in itertools.product(
-        list(fp8fx.policy.TE_GEMM_ALIASES.items()) + [(r, r) for r in GEMM_ROLES], ["fp8", "high"], [None, "high", "fp8"])
+        list(fp8fx.core.policy.TE_GEMM_ALIASES.items()) + [(r, r) for r in GEMM_ROLES], ["fp8", "high"], [None, "high", "fp8"])
 ])
 def test_single_gemm_override(alias, role, prec, base):
     """A one-GEMM override (TE alias or role name) on top of defaults or of `precision`."""
@@ -276,7 +276,7 @@ def test_cli_validate_bad(tmp_path, text, expected):
 @pytest.mark.parametrize("spelling", ["O2", "o2"])
 def test_precision_level_is_a_top_level_key(spelling):
     policy = fp8fx.policy_from_yaml(f"version: 1\nlevel: {spelling}\n")
-    assert policy.level is fp8fx.policy.Level.O2 and policy.to_dict()["level"] == "O2"
+    assert policy.level is fp8fx.core.policy.Level.O2 and policy.to_dict()["level"] == "O2"
     assert fp8fx.policy_from_yaml("version: 1\n").level is None
 
 

@@ -16,10 +16,10 @@ from torch import nn
 
 import fp8fx
 from fp8fx import Policy, ops
-from fp8fx.demo import TinyTransformer
-from fp8fx.formats import Fp8Format
-from fp8fx.policy import RECIPES
-from fp8fx.scaling import block_amax
+from fp8fx.core.formats import Fp8Format
+from fp8fx.core.policy import RECIPES
+from fp8fx.core.scaling import block_amax
+from fp8fx.tools.demo import TinyTransformer
 
 torchao_float8 = pytest.importorskip("torchao.float8")
 E4M3, E5M2 = Fp8Format.E4M3, Fp8Format.E5M2
@@ -151,7 +151,7 @@ def test_scaled_mm_matches_dequantized_fp64_gemm(m, n, k, granularity, formats, 
     b8, sb = quantize(b, formats[1], block_b, pow2)
     out = ops.scaled_mm(a8, b8, sa.reciprocal(), sb.reciprocal(), None, torch.float32, list(block_a), list(block_b))
 
-    def dequantize(q, scale, block):  # written out with loops over blocks, independent of fp8fx.scaling
+    def dequantize(q, scale, block):  # written out with loops over blocks, independent of fp8fx.core.scaling
         deq = q.double().clone()
         if not block:
             return deq / scale.double()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import fp8fx
-from fp8fx.demo import TinyTransformer
+from fp8fx.tools.demo import TinyTransformer
 
 
 def _mlp():

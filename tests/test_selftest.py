@@ -16,9 +16,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from fp8fx import selftest
 from fp8fx.cli import app
 from fp8fx.codegen import dispatch
+from fp8fx.tools import selftest
 
 
 @pytest.fixture(scope="module")

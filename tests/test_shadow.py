@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
+from helpers import count
 from torch import nn
 
 import fp8fx
-from helpers import count
 
 SHADOW_CHECK = torch.ops.fp8fx.shadow_check.default
 
@@ -74,7 +74,7 @@ def test_a_planted_bad_site_is_switched_to_high_precision_within_patience():
 
 
 def test_shadow_checks_add_one_node_per_fp8_gemm_and_none_when_off():
-    on_policy = fp8fx.Policy(shadow=fp8fx.policy.Shadow(every=5))
+    on_policy = fp8fx.Policy(shadow=fp8fx.core.policy.Shadow(every=5))
     _, on, _ = train(on_policy, gains=[1], keep_graphs=True)
     _, off, _ = train(fp8fx.Policy(), gains=[1], keep_graphs=True)
     fp8_gemms = sum(count(gm, torch.ops.fp8fx.fp8_gemm.default) for _, gm in on.kept_graphs)

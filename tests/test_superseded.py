@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import fp8fx
-from fp8fx.report_html import render_html
+from fp8fx.reporting.html import render_html
 
 
 class Attending(nn.Module):

@@ -1,4 +1,4 @@
-"""fp8fx.monitor.TensorBoardWriter: the event file, read back with TensorBoard's own reader, holds
+"""fp8fx.runtime.monitor.TensorBoardWriter: the event file, read back with TensorBoard's own reader, holds
 exactly the Monitor's samples; and the Lightning callback's metrics reach a TensorBoardLogger."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp8fx
-from fp8fx.monitor import TensorBoardWriter
+from fp8fx.runtime.monitor import TensorBoardWriter
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 

@@ -12,7 +12,7 @@ from helpers import compile_captured, sqnr, tiny_gpt2, tiny_llama
 from torch import nn
 
 import fp8fx
-from fp8fx.demo import TinyTransformer
+from fp8fx.tools.demo import TinyTransformer
 
 # Bounds for tensorwise HYBRID scaling on tiny models (hidden 64): outputs measure 25-28 dB,
 # weight gradients 18-27 dB. E5M2 gradients carry 2 mantissa bits, so 15 dB is the honest floor.

@@ -89,7 +89,7 @@ def _torch_logs(debug: bool):
 
 def _chosen_policy(policy: Path | None, recipe: str | None, debug: bool):
     """The policy of --policy FILE or --recipe NAME (default: the built-in one); one error line if bad."""
-    from fp8fx.policy import Policy, PolicyError, load_policy
+    from fp8fx.core.policy import Policy, PolicyError, load_policy
 
     if policy is not None and recipe is not None:
         _fail("give --policy or --recipe, not both")
@@ -108,8 +108,8 @@ def demo(
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON instead of a table."),
 ) -> None:
     """Train a 2-block transformer with fp8fx on CPU beside an fp32 twin and print the precision report."""
-    from fp8fx.compiler import INNER_COMPILERS
-    from fp8fx.demo import run_demo
+    from fp8fx.compiler.backend import INNER_COMPILERS
+    from fp8fx.tools.demo import run_demo
 
     if inner not in INNER_COMPILERS:
         _fail(f"--inner must be one of {', '.join(INNER_COMPILERS)}, got {inner!r}")
@@ -127,7 +127,7 @@ def demo(
 @policy_app.command("validate")
 def policy_validate(file: Path = typer.Argument(..., help="Policy YAML file.")) -> None:
     """Check a policy file; print its rules, or one error naming the line and key path."""
-    from fp8fx.policy import PolicyError, load_policy
+    from fp8fx.core.policy import PolicyError, load_policy
 
     try:
         policy = load_policy(file)
@@ -179,7 +179,8 @@ def analyze(
 
     A model made by build_model() is built on the meta device (shapes only, no weights) unless
     --numerics asks for real tensors."""
-    from fp8fx.analysis import CoverageError, ModelFileError, analyze as run_analysis, assert_coverage, error_summary, failing_module, load_model_file
+    from fp8fx.tools.analyze import CoverageError, ModelFileError, assert_coverage, error_summary, failing_module, load_model_file
+    from fp8fx.tools.analyze import analyze as run_analysis
 
     if fmt not in FORMATS:
         _fail(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -187,7 +188,7 @@ def analyze(
         _fail("--suggest-policy needs --target (speed) or --numerics (accuracy) to decide from")
     spec = None
     if target is not None:
-        from fp8fx.costmodel import gpu
+        from fp8fx.reporting.costmodel import gpu
 
         try:
             spec = gpu(target)
@@ -214,7 +215,7 @@ def analyze(
             module = failing_module(loaded.model, loaded.example_inputs) if loaded is not None else None
             _fail(f"{model_file}: running the model raised {error_summary(e, model_file)}{f' in module {module}' if module else ''} (--debug for the traceback)")
     if suggest is not None:
-        from fp8fx.suggest import suggest_policy
+        from fp8fx.tools.suggest import suggest_policy
 
         text, rules = suggest_policy(report, chosen, min_sqnr if numerics else None)
         _write(suggest, text)
@@ -231,7 +232,7 @@ def _emit(report, fmt: str, output: Path | None) -> None:
     if fmt == "table":
         from rich.console import Console
 
-        from fp8fx.cli.render import rich_report
+        from fp8fx.reporting.text import rich_report
 
         if output is None:
             Console(width=max(160, Console().width)).print(rich_report(report))
@@ -241,7 +242,7 @@ def _emit(report, fmt: str, output: Path | None) -> None:
         _write(output, text.getvalue())
     else:
         if fmt == "html":
-            from fp8fx.report_html import render_html
+            from fp8fx.reporting.html import render_html
 
             text = render_html(report.to_dict())
         else:
@@ -288,8 +289,8 @@ def export(
     """Export the inference graph as standard ONNX FP8 (QuantizeLinear/DequantizeLinear), verified in onnxruntime.
 
     Sites the policy puts in FP8 get Q/DQ with FP8 weights; nothing is written if a check fails."""
-    from fp8fx.analysis import ModelFileError, load_model_file
-    from fp8fx.export import ExportError, export_onnx
+    from fp8fx.tools.analyze import ModelFileError, load_model_file
+    from fp8fx.tools.export import ExportError, export_onnx
 
     chosen = _chosen_policy(policy, recipe, debug)
     _output_file(onnx_path, "--onnx")
@@ -329,8 +330,8 @@ def bisect(
     """Find the FP8 GEMMs that make training leave fp32, and write a policy keeping them high.
 
     A smallest set of site x output/grad_input/grad_weight whose high precision closes the loss gap."""
-    from fp8fx.analysis import ModelFileError, error_summary, load_model_file
-    from fp8fx.bisect import bisect as run_bisect
+    from fp8fx.tools.analyze import ModelFileError, error_summary, load_model_file
+    from fp8fx.tools.bisect import bisect as run_bisect
 
     chosen = _chosen_policy(policy, recipe, debug)
     _output_file(output, "--output")
@@ -361,7 +362,7 @@ def bisect(
 @app.command()
 def recipes() -> None:
     """List the named recipes and the settings each one sets."""
-    from fp8fx.policy import RECIPES
+    from fp8fx.core.policy import RECIPES
 
     for name, settings in RECIPES.items():
         typer.echo(f"{name:14s} " + " ".join(f"{k}={v}" for k, v in settings.items()))
@@ -388,7 +389,7 @@ def policy_init(
     force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
 ) -> None:
     """Write a commented starter policy file (validated before it is written)."""
-    from fp8fx.policy import PolicyError, policy_from_yaml
+    from fp8fx.core.policy import PolicyError, policy_from_yaml
 
     _output_file(output, "policy init")
     if output.exists() and not force:
@@ -416,7 +417,7 @@ def selftest(
     compared with kernels='scaled_mm'; GEMMs and a block are timed against
     BF16. Writes one JSON file and the dispatch table. Without a GPU: offline
     builds and Triton's interpreter. Exit code 1 if a check failed."""
-    from fp8fx.selftest import SelftestError, check_output_path, default_output, gpu_status, run
+    from fp8fx.tools.selftest import SelftestError, check_output_path, default_output, gpu_status, run
 
     try:
         status = gpu_status()

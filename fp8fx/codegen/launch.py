@@ -19,9 +19,18 @@ from torch import Tensor
 
 from fp8fx.codegen.dispatch import interpreter_active
 from fp8fx.codegen.triton_kernels import amax_kernel, fp8_gemm_kernel, quantize_kernel
-from fp8fx.codegen.variants import DEFAULT_FAMILY, GRID_LIMITS, Epilogue, GemmVariant, QuantizeVariant, TileConfig, configs_for, device_target
-from fp8fx.formats import fp8_format_of
-from fp8fx.scaling import scale_shape
+from fp8fx.codegen.variants import (
+    DEFAULT_FAMILY,
+    GRID_LIMITS,
+    Epilogue,
+    GemmVariant,
+    QuantizeVariant,
+    TileConfig,
+    configs_for,
+    device_target,
+)
+from fp8fx.core.formats import fp8_format_of
+from fp8fx.core.scaling import scale_shape
 
 ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned bases and row strides; vector loads like them too
 INTERPRETER_SMS = 3  # "SMs" a persistent kernel spreads over under the interpreter (exercises its tile loop)
@@ -235,9 +244,9 @@ def quantize(
     amax: Tensor | None = None,
     transpose: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Saturating FP8 quantization of a 2-D tensor: (x_fp8, scale), `fp8fx.scaling`'s convention.
+    """Saturating FP8 quantization of a 2-D tensor: (x_fp8, scale), `fp8fx.core.scaling`'s convention.
 
-    `block` as in fp8fx.scaling. A tensorwise `amax` computed elsewhere (a GEMM epilogue's) skips
+    `block` as in fp8fx.core.scaling. A tensorwise `amax` computed elsewhere (a GEMM epilogue's) skips
     the amax pass. `transpose=True` returns the same values laid out column-major."""
     fp8_format_of(dtype)
     block = tuple(block)

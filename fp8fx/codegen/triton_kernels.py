@@ -240,7 +240,7 @@ def amax_kernel(x_ptr, amax_ptr, R, C, stride_xr, stride_xc, TILE_R: tl.constexp
 
 @triton.jit
 def _amax_to_scale(amax, FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, POWER_OF_TWO: tl.constexpr):
-    """`fp8fx.scaling.amax_to_scale` in-kernel: fp64 division rounded once to fp32; 1 for 0 / inf / NaN."""
+    """`fp8fx.core.scaling.amax_to_scale` in-kernel: fp64 division rounded once to fp32; 1 for 0 / inf / NaN."""
     usable = (amax > 0.0) & (amax < float("inf"))
     safe = tl.where(usable, amax, 1.0).to(tl.float64)
     scale = (FP8_MAX / MARGIN_FACTOR / safe).to(tl.float32)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fp8fx.formats import fp8_format_of
+from fp8fx.core.formats import fp8_format_of
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")  # index = the kernels' ACTIVATION constexpr
 # Where the epilogue's optional second output (`aux`) is taken: the value a backward op needs.
@@ -108,7 +108,7 @@ class GemmVariant:
 
     a_dtype: torch.dtype
     b_dtype: torch.dtype
-    block_a: tuple = ()  # scale blocks, as in fp8fx.scaling: () | (rows, k) with 0 = whole dim
+    block_a: tuple = ()  # scale blocks, as in fp8fx.core.scaling: () | (rows, k) with 0 = whole dim
     block_b: tuple = ()
     epilogue: Epilogue = Epilogue()
     out_dtype: torch.dtype = torch.bfloat16

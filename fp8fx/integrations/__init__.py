@@ -18,8 +18,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from fp8fx.monitor import Monitor
-from fp8fx.reporting import Report
+from fp8fx.reporting.records import Report
+from fp8fx.runtime.monitor import Monitor
 
 REPORT_FILE = "fp8fx_report.json"
 
@@ -97,6 +97,6 @@ def save_report(report: Report, directory: str | Path) -> Path:
 
 def find_backend(model: Any):
     """The fp8fx backend `model` was compiled with (`torch.compile` or `model.compile`), or None."""
-    from fp8fx.compiler import _find_backend
+    from fp8fx.compiler.backend import _find_backend
 
     return _find_backend(model)

@@ -35,9 +35,9 @@ from typing import Any
 import torch
 
 import fp8fx
+from fp8fx.compiler.state import BUFFERS, STATE_ATTR, DelayedScalingState
+from fp8fx.core.policy import Policy
 from fp8fx.integrations import MonitorLog, find_backend, require, save_report, summary_metrics
-from fp8fx.policy import Policy
-from fp8fx.state import BUFFERS, STATE_ATTR, DelayedScalingState
 
 lightning = require("lightning", "2.4", "lightning")
 

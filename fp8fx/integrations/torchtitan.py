@@ -61,13 +61,13 @@ from typing import Any
 
 import torch
 
-from fp8fx.compiler import INNER_COMPILERS, Fp8fxBackend
-from fp8fx.compiler import backend as make_backend
-from fp8fx.compiler import report as compiled_report
+from fp8fx.compiler.backend import INNER_COMPILERS, Fp8fxBackend
+from fp8fx.compiler.backend import backend as make_backend
+from fp8fx.compiler.backend import report as compiled_report
+from fp8fx.compiler.state import prepare
+from fp8fx.core.policy import Policy
 from fp8fx.integrations import require
-from fp8fx.policy import Policy
-from fp8fx.reporting import Report
-from fp8fx.state import prepare
+from fp8fx.reporting.records import Report
 
 require("torchtitan", "0.3.0", "titan")
 

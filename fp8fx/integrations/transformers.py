@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import fp8fx
+from fp8fx.core.policy import Policy
 from fp8fx.integrations import MonitorLog, find_backend, require, save_report, summary_metrics
-from fp8fx.policy import Policy
 
 transformers = require("transformers", "4.50", "hf")
 

@@ -5,7 +5,7 @@ fake (shape) implementation; on CUDA tensors `scaled_mm` runs `fp8fx.codegen.sca
 and `fp8_gemm` and `cast` run the generated Triton kernels (`fp8fx.codegen.dispatch`).
 The ops have no autograd formula: they are inserted into graphs that are already differentiated
 (the joint graph) or inference-only. `block` arguments describe the granularity (see
-`fp8fx.scaling`): `[]` tensorwise, `[b0, b1]` one scale per b0 x b1 block of the last two dims
+`fp8fx.core.scaling`): `[]` tensorwise, `[b0, b1]` one scale per b0 x b1 block of the last two dims
 (0 = whole dim).
 """
 
@@ -17,8 +17,8 @@ from torch.library import custom_op
 
 from fp8fx.codegen.dispatch import cast_cuda, fp8_gemm_cuda
 from fp8fx.codegen.scaled_mm_cuda import scaled_mm_cuda
+from fp8fx.core.scaling import scale_shape
 from fp8fx.ops import reference
-from fp8fx.scaling import scale_shape
 
 amax = custom_op("fp8fx::amax", reference.amax, mutates_args=())
 amax_to_scale = custom_op("fp8fx::amax_to_scale", reference.amax_to_scale, mutates_args=())

@@ -14,9 +14,9 @@ import math
 import torch
 from torch import Tensor
 
-from fp8fx import scaling
-from fp8fx.formats import fp8_format_of, saturating_cast
-from fp8fx.scaling import block_dims, scale_shape
+from fp8fx.core import scaling
+from fp8fx.core.formats import fp8_format_of, saturating_cast
+from fp8fx.core.scaling import block_dims, scale_shape
 
 
 def check_block(block: list[int], what: str) -> None:

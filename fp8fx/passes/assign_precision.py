@@ -10,7 +10,8 @@ from enum import Enum
 import torch
 from torch import fx
 
-from fp8fx.formats import Fp8Format
+from fp8fx.core.formats import Fp8Format
+from fp8fx.core.policy import AmaxComputeAlgo, Granularity, Precision, Scaling
 from fp8fx.passes.find_matmuls import (
     Gemm,
     MatmulSite,
@@ -24,7 +25,6 @@ from fp8fx.passes.find_matmuls import (
 )
 from fp8fx.passes.graph_utils import META_KEY, PassContext, PassResult, strip_layout
 from fp8fx.passes.lower_patch_convs import is_patch_conv
-from fp8fx.policy import AmaxComputeAlgo, Granularity, Precision, Scaling
 
 ALIGN = 16  # FP8 tensor-core GEMMs need N and K in multiples of 16
 FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -60,7 +60,7 @@ class Decision:
     formats: tuple[Fp8Format, Fp8Format] | None = None  # left, right when FP8
     scaling: Scaling | None = None
     granularity: Granularity | None = None
-    blocks: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # left, right scale blocks (see fp8fx.scaling)
+    blocks: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # left, right scale blocks (see fp8fx.core.scaling)
     power_of_two: bool = False
     margin: int = 0
     delayed: DelayedSpec | None = None  # set when scaling is delayed

@@ -9,7 +9,7 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
-from fp8fx.policy import Policy
+from fp8fx.core.policy import Policy
 
 META_KEY = "fp8fx"  # the only node-meta key fp8fx writes; PyTorch's own keys are read-only to us
 
@@ -59,13 +59,13 @@ class PassContext:
     # CUDA ("auto" / "triton": generated Triton kernels; "scaled_mm": torch._scaled_mm).
     fuse_epilogues: bool = True
     kernels: str = "auto"
-    # Analysis with numerics: the fp8fx.numerics.NumericsCollector probes register with, and the
+    # Analysis with numerics: the fp8fx.runtime.numerics.NumericsCollector probes register with, and the
     # index of the graph being rewritten (probes are reported per graph, site and role).
     numerics: Any = None
     graph_index: int = 0
-    # Runtime monitor (fp8fx.monitor): the id of the Monitor each cast's observe op reports to.
+    # Runtime monitor (fp8fx.runtime.monitor): the id of the Monitor each cast's observe op reports to.
     monitor: int | None = None
-    # Shadow checks (fp8fx.shadow): the id of the backend's ShadowChecks, and the GEMMs they
+    # Shadow checks (fp8fx.runtime.shadow): the id of the backend's ShadowChecks, and the GEMMs they
     # switched to high precision: (site, role) -> reason.
     shadow: int | None = None
     overrides: dict = field(default_factory=dict)

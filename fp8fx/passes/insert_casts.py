@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from fp8fx.formats import Fp8Format
+from fp8fx.compiler.state import state_key
+from fp8fx.core.formats import Fp8Format
+from fp8fx.core.policy import AmaxComputeAlgo
 from fp8fx.passes.assign_precision import DelayedSpec
 from fp8fx.passes.find_matmuls import matmul_operands
 from fp8fx.passes.graph_utils import META_KEY, PassContext, PassResult, add_node, fake_mode_of, node_values, strip_layout
-from fp8fx.policy import AmaxComputeAlgo
-from fp8fx.shadow import ShadowChecks
-from fp8fx.state import state_key
+from fp8fx.runtime.shadow import ShadowChecks
 
 fp8fx_ops = torch.ops.fp8fx
 aten = torch.ops.aten

@@ -1,5 +1,5 @@
 """insert_probes: with numerics on (`ctx.numerics`), put an `fp8fx::numerics_probe` in front of
-every GEMM so an analysis run measures what FP8 does to its operands (see `fp8fx.numerics`).
+every GEMM so an analysis run measures what FP8 does to its operands (see `fp8fx.runtime.numerics`).
 
 Runs after assign_precision and before insert_casts, so the probes see the high-precision
 operands; the GEMM takes the probe's copy of its left operand, which keeps the probe alive
@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fp8fx.numerics import ProbeSpec
+from fp8fx.core.policy import RECIPES, Policy
 from fp8fx.passes.assign_precision import decide
 from fp8fx.passes.find_matmuls import matmul_operands
 from fp8fx.passes.graph_utils import PassContext, PassResult, add_node, fake_mode_of
-from fp8fx.policy import RECIPES, Policy
+from fp8fx.runtime.numerics import ProbeSpec
 
 
 def insert_probes(gm: fx.GraphModule, ctx: PassContext) -> PassResult:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fp8fx.formats import fp8_format_of
+from fp8fx.core.formats import fp8_format_of
+from fp8fx.core.scaling import scale_shape
 from fp8fx.passes.graph_utils import PassContext, PassResult
-from fp8fx.scaling import scale_shape
 
 
 class VerifyError(RuntimeError):

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import fp8fx
-from fp8fx.demo import TinyTransformer
+from fp8fx.tools.demo import TinyTransformer
 
 STEPS = 4
 

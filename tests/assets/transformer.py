@@ -2,7 +2,7 @@
 
 import torch
 
-from fp8fx.demo import TinyTransformer
+from fp8fx.tools.demo import TinyTransformer
 
 torch.manual_seed(0)  # the same weights in every run: an export check compares exact values
 model = TinyTransformer(dim=64, heads=4, layers=2, max_seq=32)

@@ -10,12 +10,12 @@ import zlib
 
 import pytest
 import torch
+from helpers import GatedBlock, sqnr
 
 from fp8fx.codegen import launch
 from fp8fx.codegen.variants import Epilogue
+from fp8fx.core.scaling import amax_to_scale, block_amax
 from fp8fx.ops import reference
-from fp8fx.scaling import amax_to_scale, block_amax
-from helpers import GatedBlock, sqnr
 
 pytestmark = pytest.mark.skipif(not launch.interpreter_active(), reason="needs TRITON_INTERPRET=1 before import")
 

@@ -10,13 +10,13 @@ import itertools
 
 import pytest
 import torch
+from helpers import sqnr
+from test_kernels import E4M3, E5M2, close_as, fp8_operand
 from torch import nn
 
 import fp8fx
 from fp8fx.codegen import launch
 from fp8fx.ops import reference
-from helpers import sqnr
-from test_kernels import E4M3, E5M2, close_as, fp8_operand
 
 pytestmark = pytest.mark.skipif(not launch.interpreter_active(), reason="needs TRITON_INTERPRET=1 before import")
 

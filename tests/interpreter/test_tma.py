@@ -14,10 +14,10 @@ import itertools
 
 import pytest
 import torch
+from test_kernels import E4M3, E5M2, EPILOGUES, GEMM_BLOCKS, assert_matches, case_seed, run_both
 
 from fp8fx.codegen import launch
 from fp8fx.codegen.variants import CONFIGS, GemmVariant, configs_for
-from test_kernels import E4M3, E5M2, EPILOGUES, GEMM_BLOCKS, assert_matches, case_seed, run_both
 
 pytestmark = [
     pytest.mark.skipif(not launch.interpreter_active(), reason="needs TRITON_INTERPRET=1 before import"),

@@ -15,7 +15,7 @@ variants plus a training step run by Triton's interpreter in a child process (th
 to be switched on before Triton is imported). Both branches share the variant collection, the
 inputs, the comparisons and the JSON writer; only the device differs. Nothing here prints.
 
-The child process is this module: `TRITON_INTERPRET=1 python -m fp8fx.selftest JOB.json OUT.json`.
+The child process is this module: `TRITON_INTERPRET=1 python -m fp8fx.tools.selftest JOB.json OUT.json`.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fp8fx import numerics
 from fp8fx.codegen.variants import Epilogue, GemmVariant
-from fp8fx.numerics import EXACT_DB
+from fp8fx.runtime import numerics
+from fp8fx.runtime.numerics import EXACT_DB
 
 SCHEMA = "fp8fx.selftest/1"
 RECIPES = ("tensorwise", "rowwise", "blockwise")
@@ -126,7 +126,7 @@ class SelftestModel(nn.Module):
 
     def __init__(self, dims: ModelDims):
         super().__init__()
-        from fp8fx.demo import Block
+        from fp8fx.tools.demo import Block
 
         self.gpt = Block(dims.dim, dims.heads)
         self.llama = LlamaBlock(dims.dim, dims.heads, dims.hidden)
@@ -260,8 +260,8 @@ def speed_uses(uses: list[VariantUse]) -> list[tuple[str, VariantUse]]:
 def make_inputs(use: VariantUse, m: int, n: int, k: int, seed: int = 0, device: str | torch.device = "cpu") -> dict:
     """The arguments of one GEMM of `use`'s variant: FP8 operands quantized as the graph does
     (a [m, k] row-major, b [k, n] column-major), their scale inverses, and the epilogue's tensors."""
+    from fp8fx.core.scaling import amax_to_scale, block_amax
     from fp8fx.ops import reference
-    from fp8fx.scaling import amax_to_scale, block_amax
 
     v = use.variant
     g = torch.Generator(device=device).manual_seed(seed)
@@ -340,7 +340,7 @@ RUNNERS = {"generated": run_generated, "scaled_mm": run_scaled_mm}
 
 
 def sqnr_db(actual: Tensor, reference: Tensor) -> float | None:
-    """`fp8fx.numerics.sqnr_db` of `actual` against `reference`, capped at EXACT_DB (equal tensors);
+    """`fp8fx.runtime.numerics.sqnr_db` of `actual` against `reference`, capped at EXACT_DB (equal tensors);
     None if either is not finite, 0 for a zero reference."""
     a, r = actual.detach().cpu().float().double(), reference.detach().cpu().float().double()
     if not (torch.isfinite(a).all() and torch.isfinite(r).all()):
@@ -501,7 +501,7 @@ def start_interpreter(job: dict, workdir: Path) -> subprocess.Popen:
     """The child process, started now so that it runs beside the builds (2 cores are enough)."""
     (workdir / "job.json").write_text(json.dumps(job))
     log = open(workdir / "child.log", "w")  # a file, not a pipe: a full pipe would block the child
-    cmd = [sys.executable, "-m", "fp8fx.selftest", str(workdir / "job.json"), str(workdir / "result.json")]
+    cmd = [sys.executable, "-m", "fp8fx.tools.selftest", str(workdir / "job.json"), str(workdir / "result.json")]
     try:
         return subprocess.Popen(cmd, env={**os.environ, "TRITON_INTERPRET": "1"}, stdout=log, stderr=subprocess.STDOUT)
     finally:

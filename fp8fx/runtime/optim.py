@@ -15,9 +15,9 @@ from collections.abc import Iterable
 
 import torch
 
-from fp8fx.formats import Fp8Format
+from fp8fx.core.formats import Fp8Format
+from fp8fx.core.scaling import amax_to_scale, tensor_amax
 from fp8fx.ops import reference
-from fp8fx.scaling import amax_to_scale, tensor_amax
 
 _FP16_MAX = torch.finfo(torch.float16).max
 

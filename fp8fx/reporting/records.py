@@ -76,13 +76,13 @@ class OpRecord:
     scale: tuple[float, float] | None = None  # x_fp8 = saturate(x * scale)
     scale_inv: tuple[float, float] | None = None  # x ~= x_fp8 * scale_inv
     non_finite: tuple[int, int] | None = None  # steps whose amax was inf or NaN (the scale was kept)
-    # Analysis extras: measured numerics (fp8fx.numerics.GemmNumerics) and predicted time on a
-    # target GPU (fp8fx.costmodel.Prediction).
+    # Analysis extras: measured numerics (fp8fx.runtime.numerics.GemmNumerics) and predicted time on a
+    # target GPU (fp8fx.reporting.costmodel.Prediction).
     numerics: Any = None
     predicted: Any = None
     # The Dynamo compile of the graph ("frame/compile"; None outside Dynamo) and its state:
     # "in_use", or "superseded" by a recompile of the same frame (the compile id that replaced it
-    # and Dynamo's guard failure; see fp8fx.compiler.DynamoGraph). Superseded rows are kept as
+    # and Dynamo's guard failure; see fp8fx.compiler.backend.DynamoGraph). Superseded rows are kept as
     # history and counted nowhere.
     compile_id: str | None = None
     graph_state: str = "in_use"
@@ -204,20 +204,20 @@ class Report:
         self.superseded = [op for op in ops if op.graph_state == "superseded"]
         # Analysis of repeated blocks: list FQN -> blocks whose records copy the first block's.
         self.folded = dict(folded or {})
-        # Per module FQN (fp8fx.traffic): bytes moved by non-GEMM ops, and bytes saved for backward
+        # Per module FQN (fp8fx.reporting.traffic): bytes moved by non-GEMM ops, and bytes saved for backward
         # (None: no training graph partitioned by fp8fx). fp8fx.analyze adds what the same step
         # saves with every GEMM in high precision.
         self.non_gemm_bytes = dict(non_gemm_bytes or {})
         self.saved_bytes = saved_bytes
         self.saved_bytes_high_precision: int | None = None
-        self.target = None  # fp8fx.costmodel.GpuSpec the predictions are for
-        self.step = None  # its fp8fx.costmodel.StepPrediction
-        self.monitor = None  # fp8fx.monitor.Monitor of the compiled model, if it has one
+        self.target = None  # fp8fx.reporting.costmodel.GpuSpec the predictions are for
+        self.step = None  # its fp8fx.reporting.costmodel.StepPrediction
+        self.monitor = None  # fp8fx.runtime.monitor.Monitor of the compiled model, if it has one
 
     def with_predictions(self, target) -> Report:
         """This report with each GEMM's predicted BF16 and FP8 time on `target` (see
-        fp8fx.costmodel) and the predicted whole step."""
-        from fp8fx import costmodel
+        fp8fx.reporting.costmodel) and the predicted whole step."""
+        from fp8fx.reporting import costmodel
 
         spec = costmodel.gpu(target) if isinstance(target, str) else target
         new = Report([replace(op, predicted=costmodel.predict(op, spec)) for op in self.history], self.folded, self.non_gemm_bytes, self.saved_bytes)

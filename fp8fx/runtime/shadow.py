@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fp8fx.numerics import sqnr_db
-from fp8fx.policy import Shadow
+from fp8fx.core.policy import Shadow
+from fp8fx.runtime.numerics import sqnr_db
 
 
 @dataclass(frozen=True)

@@ -30,13 +30,13 @@ from torch import nn
 from torch._dynamo.exc import TorchDynamoException
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 
-from fp8fx.compiler import backend as make_backend
-from fp8fx.compiler import report as report_of
-from fp8fx.numerics import NumericsCollector, collecting
-from fp8fx.policy import OP_KINDS as POLICY_OP_KINDS
-from fp8fx.policy import Policy, Rule
-from fp8fx.reporting import Report, has_values
-from fp8fx.state import prepare
+from fp8fx.compiler.backend import backend as make_backend
+from fp8fx.compiler.backend import report as report_of
+from fp8fx.compiler.state import prepare
+from fp8fx.core.policy import OP_KINDS as POLICY_OP_KINDS
+from fp8fx.core.policy import Policy, Rule
+from fp8fx.reporting.records import Report, has_values
+from fp8fx.runtime.numerics import NumericsCollector, collecting
 
 _BUILD_HINT = "add `def build_model(): return MyModel(...)` (built on the meta device: no weights) or a module-level `model = MyModel(...)`"
 _INPUTS_HINT = "add `def example_inputs(): return (torch.randn(8, 128),)` returning the model's positional inputs"
@@ -314,7 +314,7 @@ def analyze(
     alike is traced through its first block only; the other blocks' records are copies of it
     under their own names. A stack the policy tells apart (a rule for `layers.0`, say) is traced whole.
 
-    `calibration`: batches (tuples of real inputs) to measure numerics on (`fp8fx.numerics`); the
+    `calibration`: batches (tuples of real inputs) to measure numerics on (`fp8fx.runtime.numerics`); the
     model must hold real weights. A second, probed run measures them (so the report itself comes
     from the same passes as a compile); each record's `numerics` then holds its operands' amax,
     scale, underflow and saturation and its SQNR, for the policy's decision and every named recipe.

@@ -8,7 +8,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from fp8fx.reporting import Report
+from fp8fx.reporting.records import Report
 
 
 def layer_of(site: str) -> str:

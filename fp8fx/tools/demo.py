@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8fx.compiler import backend, report
-from fp8fx.reporting import Report
+from fp8fx.compiler.backend import backend, report
+from fp8fx.reporting.records import Report
 
 
 class Block(nn.Module):

@@ -25,17 +25,17 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 import fp8fx.ops  # noqa: F401  (registers the fp8fx::* operators)
 from fp8fx.codegen.dispatch import triton_available
 from fp8fx.codegen.variants import device_target
-from fp8fx.monitor import Monitor
-from fp8fx.numerics import NumericsCollector
+from fp8fx.compiler.state import BUFFERS, Fp8State, instance_keys, locate
+from fp8fx.core.policy import GEMM_ROLES, Policy, as_policy
 from fp8fx.passes import REWRITE_PASSES, PassContext, run_passes
 from fp8fx.passes.find_matmuls import MATMUL_OPS, OPAQUE_OPS
 from fp8fx.passes.graph_utils import decompose_nodes
 from fp8fx.passes.pipeline import PLANNING_PASSES
-from fp8fx.policy import GEMM_ROLES, Policy, as_policy
-from fp8fx.reporting import OpRecord, Report
-from fp8fx.shadow import ShadowChecks
-from fp8fx.state import BUFFERS, Fp8State, instance_keys, locate
-from fp8fx.traffic import non_gemm_bytes, saved_activation_bytes
+from fp8fx.reporting.records import OpRecord, Report
+from fp8fx.reporting.traffic import non_gemm_bytes, saved_activation_bytes
+from fp8fx.runtime.monitor import Monitor
+from fp8fx.runtime.numerics import NumericsCollector
+from fp8fx.runtime.shadow import ShadowChecks
 
 INNER_COMPILERS = ("inductor", "eager")
 
@@ -86,7 +86,7 @@ class GraphRecord:
     ops: list[OpRecord]
     params: list[weakref.ref] = field(default_factory=list)
     state: Fp8State | None = None
-    non_gemm_bytes: dict[str, int] = field(default_factory=dict)  # per module FQN (fp8fx.traffic)
+    non_gemm_bytes: dict[str, int] = field(default_factory=dict)  # per module FQN (fp8fx.reporting.traffic)
     # Training graphs partitioned by fp8fx (eager inner): bytes saved for backward per module FQN.
     saved_bytes: dict[str, int] | None = None
     dynamo: DynamoGraph | None = None  # None: compiled outside Dynamo

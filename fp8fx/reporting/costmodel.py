@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fp8fx.reporting import OpRecord
+from fp8fx.reporting.records import OpRecord
 
 TILE = 128  # output tile edge (both formats): the unit of wave quantization
 SPLIT_K_MIN = 512  # split-K never leaves a part shorter than this along K

@@ -35,15 +35,15 @@ from pathlib import Path
 import torch
 from torch import Tensor, fx, nn
 
-from fp8fx.analysis import error_summary
-from fp8fx.formats import Fp8Format
-from fp8fx.numerics import sqnr_db
+from fp8fx.compiler.state import state_for, state_key
+from fp8fx.core.formats import Fp8Format
+from fp8fx.core.policy import Granularity, Policy
 from fp8fx.ops import reference
 from fp8fx.passes.assign_precision import assign_precision
 from fp8fx.passes.find_matmuls import find_matmuls, matmul_operands
 from fp8fx.passes.graph_utils import PassContext, strip_layout
-from fp8fx.policy import Granularity, Policy
-from fp8fx.state import state_for, state_key
+from fp8fx.runtime.numerics import sqnr_db
+from fp8fx.tools.analyze import error_summary
 
 BLOCKED_OPSET = 21  # DequantizeLinear's block_size (blockwise scales)
 MIN_OPSET = 19  # FLOAT8 types in QuantizeLinear / DequantizeLinear

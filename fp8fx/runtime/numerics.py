@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from fp8fx.monitor import saturation_threshold
+from fp8fx.core.scaling import expand_blocks
 from fp8fx.ops import reference
-from fp8fx.scaling import expand_blocks
+from fp8fx.runtime.monitor import saturation_threshold
 
 EXACT_DB = 300.0  # SQNR reported when the FP8 product equals the fp64 one (no noise to measure)
 

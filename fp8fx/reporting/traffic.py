@@ -11,7 +11,7 @@ from collections import defaultdict
 import torch
 from torch import fx
 
-from fp8fx.formats import FP8_DTYPES
+from fp8fx.core.formats import FP8_DTYPES
 from fp8fx.passes.find_matmuls import is_matrix_product, module_fqn
 from fp8fx.passes.graph_utils import LAYOUT_OPS, TRANSPARENT_OPS, strip_layout
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from fp8fx.formats import Fp8Format
-from fp8fx.scaling import expand_blocks
+from fp8fx.core.formats import Fp8Format
+from fp8fx.core.scaling import expand_blocks
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from fp8fx.formats import FormatRecipe
+from fp8fx.core.formats import FormatRecipe
 
 GEMM_ROLES = ("output", "grad_input", "grad_weight")
 # TransformerEngine's names for the same three GEMMs.

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fp8fx.compiler import backend as make_backend
-from fp8fx.compiler import report as report_of
-from fp8fx.policy import Policy, policy_from_yaml
-from fp8fx.reporting import OpRecord
-from fp8fx.state import prepare
-from fp8fx.suggest import Flag, policy_keeping_high
+from fp8fx.compiler.backend import backend as make_backend
+from fp8fx.compiler.backend import report as report_of
+from fp8fx.compiler.state import prepare
+from fp8fx.core.policy import Policy, policy_from_yaml
+from fp8fx.reporting.records import OpRecord
+from fp8fx.tools.suggest import Flag, policy_keeping_high
 
 Gemm = tuple[str, str]  # (site, role)
 
