@@ -26,8 +26,9 @@ import fp8fx.ops  # noqa: F401  (registers the fp8fx::* operators)
 from fp8fx.codegen.dispatch import triton_available
 from fp8fx.codegen.variants import device_target
 from fp8fx.compiler.state import BUFFERS, Fp8State, instance_keys, locate
-from fp8fx.core.policy import GEMM_ROLES, Policy, as_policy
+from fp8fx.core.policy import Policy, as_policy
 from fp8fx.passes import REWRITE_PASSES, PassContext, run_passes
+from fp8fx.passes.annotation import annotations
 from fp8fx.passes.find_matmuls import MATMUL_OPS, OPAQUE_OPS
 from fp8fx.passes.graph_utils import decompose_nodes
 from fp8fx.passes.pipeline import PLANNING_PASSES
@@ -325,12 +326,7 @@ class Fp8fxBackend:
             ctx.state_inputs = {key: tuple(tail[i * len(BUFFERS) : (i + 1) * len(BUFFERS)]) for i, key in enumerate(state_keys)}
         gm = run_passes(gm, ctx, REWRITE_PASSES)
         index = len(self.graphs)
-        ops = [
-            OpRecord.make(index, kind, site, site.gemms[role], ctx.decisions[(site.name, role)])
-            for site in ctx.sites
-            for role in GEMM_ROLES
-            if role in site.gemms
-        ]
+        ops = [OpRecord.make(index, kind, ann) for ann in annotations(gm.graph)]
         self.graphs.append(GraphRecord(index, kind, ops, params, state, traffic))
         return gm
 

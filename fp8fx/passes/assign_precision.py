@@ -1,17 +1,14 @@
 """assign_precision: give every GEMM of every site a `Decision` - FP8 and how, or high and why.
 
-Writes `ctx.decisions` and node meta only; the graph is unchanged (annotate, then convert)."""
+Writes each GEMM's `GemmAnnotation` only; the graph is unchanged (annotate, then convert)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from enum import Enum
 
 import torch
 from torch import fx
 
-from fp8fx.core.formats import Fp8Format
-from fp8fx.core.policy import AmaxComputeAlgo, Granularity, Precision, Scaling
+from fp8fx.core.policy import GEMM_ROLES, Granularity, Precision, Scaling
+from fp8fx.passes.annotation import Decision, DelayedSpec, GemmAnnotation, ReasonKind, annotate
 from fp8fx.passes.find_matmuls import (
     Gemm,
     MatmulSite,
@@ -23,52 +20,11 @@ from fp8fx.passes.find_matmuls import (
     is_opaque,
     matmul_operands,
 )
-from fp8fx.passes.graph_utils import META_KEY, PassContext, PassResult, strip_layout
+from fp8fx.passes.graph_utils import PassContext, PassResult, strip_layout
 from fp8fx.passes.lower_patch_convs import is_patch_conv
 
 ALIGN = 16  # FP8 tensor-core GEMMs need N and K in multiples of 16
 FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class ReasonKind(str, Enum):
-    """Why a GEMM got its precision; the report groups fallbacks by these."""
-
-    POLICY = "policy"  # the policy's defaults or a rule said so
-    OP_KIND = "op_kind"  # op kind not enabled for FP8 (batched matmuls by default)
-    SHAPE = "shape"  # dimensions FP8 GEMMs cannot take
-    DTYPE = "dtype"  # operands are not fp32/bf16/fp16
-    PATTERN = "pattern"  # a form of the op fp8fx does not rewrite
-    OPAQUE = "opaque"  # an op that multiplies matrices inside, which fp8fx cannot rewrite
-    CONV = "conv"  # a convolution: fp8fx runs convolutions in high precision
-    UNLINKED = "unlinked"  # a backward GEMM with no forward site to take a policy from
-    SHADOW = "shadow"  # a shadow high-precision check found its FP8 result too far off
-
-
-@dataclass(frozen=True)
-class DelayedSpec:
-    history_len: int
-    algo: AmaxComputeAlgo
-    interval: int
-
-
-@dataclass(frozen=True)
-class Decision:
-    precision: Precision
-    reason_kind: ReasonKind
-    reason: str
-    operand_roles: tuple[str, str]  # left, right: input | weight | grad_output
-    formats: tuple[Fp8Format, Fp8Format] | None = None  # left, right when FP8
-    scaling: Scaling | None = None
-    granularity: Granularity | None = None
-    blocks: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # left, right scale blocks (see fp8fx.core.scaling)
-    power_of_two: bool = False
-    margin: int = 0
-    delayed: DelayedSpec | None = None  # set when scaling is delayed
-    fast_accum: bool = False  # Hopper's unpromoted FP8 accumulator for the whole K loop (policy fast_accum)
-
-    @property
-    def fp8(self) -> bool:
-        return self.precision is Precision.FP8
 
 
 # The operands of each backward GEMM when they cannot be told by identity (one op computing both gradients).
@@ -232,9 +188,9 @@ def decide(site: MatmulSite, gemm: Gemm, ctx: PassContext) -> Decision:
 
 
 def assign_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    for site in ctx.sites:
-        for role, gemm in site.gemms.items():
-            decision = decide(site, gemm, ctx)
-            ctx.decisions[(site.name, role)] = decision
-            gemm.node.meta[META_KEY]["decision"] = decision
+    gemms = [(site, site.gemms[role]) for site in ctx.sites for role in GEMM_ROLES if role in site.gemms]
+    for index, (site, gemm) in enumerate(gemms):
+        decision = decide(site, gemm, ctx)
+        annotate(gemm.node, GemmAnnotation(index, site.name, site.fqn, site.op, gemm.role, site.source,
+                                           gemm.m, gemm.n, gemm.k, gemm.batch, gemm.flops, decision))  # fmt: skip
     return PassResult(gm, modified=False)

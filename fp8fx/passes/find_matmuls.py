@@ -34,7 +34,7 @@ import torch
 from torch import fx
 from torch._ops import OpOverload
 
-from fp8fx.passes.graph_utils import META_KEY, PassContext, PassResult, strip_layout
+from fp8fx.passes.graph_utils import PassContext, PassResult, strip_layout
 
 aten = torch.ops.aten
 
@@ -363,7 +363,7 @@ def _gemm(node: fx.Node, role: str) -> Gemm:
 
 
 def find_matmuls(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    """Annotate every matmul with `meta["fp8fx"] = (site, role)` and list the sites in `ctx.sites`."""
+    """List every matrix product of the graph as a site with its GEMMs in `ctx.sites`."""
     forward: list[fx.Node] = []
     backward_by_seq: dict[int, list[fx.Node]] = defaultdict(list)
     unlinked: list[fx.Node] = []
@@ -389,7 +389,7 @@ def find_matmuls(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for fqn, nodes in per_module.items():
         op_counts: dict[str, int] = defaultdict(int)
         for node in nodes:
-            op = _op_kind(node)
+            op = _op_kind(node, ctx.lowered)
             if len(nodes) == 1 and fqn:
                 name = fqn
             else:
@@ -425,7 +425,7 @@ def find_matmuls(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         unlinked.extend(nodes)
     for i, bw in enumerate(unlinked):
         fqn = module_fqn(bw)
-        op = _op_kind(bw)
+        op = _op_kind(bw, ctx.lowered)
         site = MatmulSite(f"{fqn or '<top>'}:backward_{op}#{i}", fqn, op, source=_source_line(bw), opaque=is_opaque(bw))
         if fused_backward(bw):
             site.gemms.update(_custom_backward_gemms(bw))
@@ -435,21 +435,17 @@ def find_matmuls(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             site.gemms["grad_input"] = _gemm(bw, "grad_input")
         sites.append(site)
 
-    for site in sites:
-        for role, gemm in site.gemms.items():
-            lowered = {"op": site.op} if site.op == "conv_patch" else {}
-            gemm.node.meta[META_KEY] = {**lowered, "site": site.name, "role": role}
     ctx.sites = sites
     return PassResult(gm, modified=False)
 
 
-def _op_kind(node: fx.Node) -> str:
+def _op_kind(node: fx.Node, lowered: dict[fx.Node, str]) -> str:
     if is_attention(node):
         return "sdpa"
     if is_conv(node):
         return "conv"
-    if node.meta.get(META_KEY, {}).get("op") == "conv_patch":  # a patch convolution as a GEMM (see lower_patch_convs)
-        return "conv_patch"
+    if node in lowered:  # a patch convolution as a GEMM (see lower_patch_convs)
+        return lowered[node]
     if node.target in MATMUL_OPS:
         return MATMUL_OPS[node.target]
     return custom_op_name(node) or node.target.overloadpacket.__name__

@@ -23,7 +23,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fp8fx.codegen.dispatch import choose_kernel
 from fp8fx.codegen.variants import Epilogue, GemmVariant
-from fp8fx.passes.graph_utils import DTYPE_CASTS, META_KEY, PassContext, PassResult, add_node, fake_mode_of, strip_layout
+from fp8fx.passes.annotation import Fusion, annotate, annotation, update_fusion
+from fp8fx.passes.graph_utils import DTYPE_CASTS, PassContext, PassResult, add_node, fake_mode_of, strip_layout
 
 aten = torch.ops.aten
 fp8fx_ops = torch.ops.fp8fx
@@ -198,25 +199,26 @@ class _Fuser:
 
     def fuse(self, gemm: fx.Node) -> None:
         chain = _walk(gemm)
-        meta = gemm.meta[META_KEY]
         full, rejected = len(chain.steps), None
         for length in range(full, -1, -1):
             steps = chain.steps[:length]
             if steps and steps[-1][0] in ("reshape", "cast") and length != full:
                 continue
             planned = self.plan(gemm, steps)
-            if planned is None or not self.place(gemm, *planned):
+            fused = self.place(gemm, *planned) if planned is not None else None
+            if fused is None:
                 rejected = rejected or (
                     f"{steps[-1][1].name} ({steps[-1][1].target}) could not join: it needs a second value kept for "
                     "other users, or an input computed after the GEMM result is needed"
                     if steps else "the GEMM's N is dynamic: the fused kernel's 2-D views need it as a number"
                 )
                 continue
-            meta["fusion_stop"] = rejected or chain.stop
+            update_fusion(fused, stop=rejected or chain.stop)
             return
-        meta["fusion_stop"] = rejected  # not even the bare GEMM could be placed: it stays a scaled_mm
+        update_fusion(gemm, stop=rejected)  # not even the bare GEMM could be placed: it stays a scaled_mm
 
-    def place(self, gemm, ep: Epilogue, inputs, final, aux_node, amax_users, absorbed) -> bool:
+    def place(self, gemm, ep: Epilogue, inputs, final, aux_node, amax_users, absorbed) -> fx.Node | None:
+        """The fused node replacing `gemm` and its epilogue, or None when it cannot be placed."""
         a, b, sa, sb, _bias, _out_dtype, block_a, block_b, fast_accum = gemm.args
         m, n = _shape(gemm)
         consumers = [u for u in final.users] + ([u for u in aux_node.users if u not in absorbed] if aux_node is not None else [])
@@ -227,18 +229,18 @@ class _Fuser:
             if t is None:
                 continue
             if self.order[t] >= self.order[at]:
-                return False
+                return None
             if not t.meta["val"].is_contiguous():
-                return False
+                return None
         if inputs["bias"] is not None and self.order[inputs["bias"]] >= self.order[at]:
-            return False
+            return None
         if not isinstance(n, int):
-            return False  # a dynamic N: the 2-D views below need it as a number
+            return None  # a dynamic N: the 2-D views below need it as a number
         # The n-D shapes the fused result is viewed back to, as graph arguments (symbolic sizes
         # must come from nodes of the graph, never be baked in as raw SymInts).
         sizes = {node: _size_arg(node, absorbed) for node in (final, aux_node) if node is not None}
         if any(size is None for size in sizes.values()):
-            return False
+            return None
         fp8_cast = inputs["fp8_cast"]
         out_val = (fp8_cast or final).meta["val"]
         aux_dtype = aux_node.meta["val"].dtype if aux_node is not None else final.meta["val"].dtype
@@ -260,11 +262,11 @@ class _Fuser:
             aux = None
             if aux_node is not None:
                 aux = outs[1] if _same_shape(aux_node, (m, n)) else self.add(aten.view.default, (outs[1], sizes[aux_node]), tag_from=gemm)
-        for key in ("seq_nr", "autograd_backward", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack", META_KEY):
+        for key in ("seq_nr", "autograd_backward", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack"):
             if key in gemm.meta:
                 fused.meta[key] = gemm.meta[key]
-        fused.meta[META_KEY] = gemm.meta[META_KEY]  # the same dict: the report reads it through the site
-        fused.meta[META_KEY].update(fused=[n.name for n in absorbed], epilogue=ep)
+        fusion = Fusion(kernel, kernel_reason, epilogue=ep, absorbed=tuple(n.name for n in absorbed), variant=variant)
+        annotate(fused, replace(annotation(gemm), fusion=fusion))
         for u in amax_users:
             u.replace_all_uses_with(outs[2])
         (fp8_cast or final).replace_all_uses_with(out)
@@ -277,9 +279,8 @@ class _Fuser:
                 self.graph.erase_node(node)
         if not gemm.users:
             self.graph.erase_node(gemm)
-        fused.meta[META_KEY].update(variant=variant, kernel=kernel, kernel_reason=kernel_reason)
         self._renumber()
-        return True
+        return fused
 
 
 def _count_memory_passes(graph: fx.Graph) -> None:
@@ -290,7 +291,7 @@ def _count_memory_passes(graph: fx.Graph) -> None:
     charged: set[fx.Node] = set()
     gemms = [n for n in graph.nodes if n.target in (fp8fx_ops.fp8_gemm.default, fp8fx_ops.scaled_mm.default)]
     # Forward GEMMs first: a fused node may sit late in the joint graph, but it runs in forward.
-    for node in sorted(gemms, key=lambda n: n.meta[META_KEY]["role"] != "output"):
+    for node in sorted(gemms, key=lambda n: annotation(n).role != "output"):
         added = 0
         for i, operand in enumerate(node.args[:2]):
             cast, _ = strip_layout(operand)
@@ -302,9 +303,9 @@ def _count_memory_passes(graph: fx.Graph) -> None:
             val = operand.meta["val"]
             # A symbolic stride counts as a copy unless it is provably 1 (and adds no guard).
             added += not statically_known_true((val.stride(-1) if i == 0 else val.stride(-2)) == 1)
-        ep = node.meta[META_KEY].get("epilogue")
+        ep = annotation(node).fusion.epilogue if annotation(node).fusion else None
         saved = ep.ops() + ep.out_amax if ep is not None else 0
-        node.meta[META_KEY]["memory_passes"] = (added, saved)
+        update_fusion(node, memory_passes=(added, saved))
 
 
 def _amax_of(cast: fx.Node) -> fx.Node | None:
@@ -321,9 +322,8 @@ def fuse_epilogues(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if n.target == fp8fx_ops.scaled_mm.default:
             batched = n.meta["val"].dim() != 2
             why = "batched GEMMs run unfused" if batched else "fuse_epilogues=False"
-            n.meta[META_KEY].update(kernel="scaled_mm", kernel_reason=f"{why}: torch._scaled_mm")
-            if batched:
-                n.meta[META_KEY]["fusion_stop"] = "batched GEMMs run unfused (torch's scaled-mm path)"
+            stop = "batched GEMMs run unfused (torch's scaled-mm path)" if batched else None
+            update_fusion(n, kernel="scaled_mm", kernel_reason=f"{why}: torch._scaled_mm", stop=stop)
     if not ctx.fuse_epilogues or not gemms:
         return PassResult(gm, modified=False)
     fuser = _Fuser(gm, ctx.kernels)

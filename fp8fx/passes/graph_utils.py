@@ -11,8 +11,6 @@ from torch._guards import detect_fake_mode
 
 from fp8fx.core.policy import Policy
 
-META_KEY = "fp8fx"  # the only node-meta key fp8fx writes; PyTorch's own keys are read-only to us
-
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -49,7 +47,7 @@ class PassContext:
 
     policy: Policy
     sites: list = field(default_factory=list)  # MatmulSite, from find_matmuls
-    decisions: dict = field(default_factory=dict)  # (site name, role) -> Decision, from assign_precision
+    lowered: dict = field(default_factory=dict)  # GEMM node -> the op kind it was lowered from (lower_patch_convs)
     # Delayed scaling: state key -> amax history length, filled by insert_casts; and the graph
     # inputs holding each state's (amax_history, scale, steps, non_finite). Without the inputs
     # (planning a compile) the casts are made with dynamic scales and only the keys are recorded.

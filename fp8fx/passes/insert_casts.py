@@ -10,7 +10,7 @@ grad_weight: after partitioning, backward consumes the FP8 tensors forward made.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import fx
@@ -18,16 +18,16 @@ from torch import fx
 from fp8fx.compiler.state import state_key
 from fp8fx.core.formats import Fp8Format
 from fp8fx.core.policy import AmaxComputeAlgo
-from fp8fx.passes.assign_precision import DelayedSpec
+from fp8fx.passes.annotation import DelayedSpec, annotate, annotation, node_annotations
 from fp8fx.passes.find_matmuls import matmul_operands
-from fp8fx.passes.graph_utils import META_KEY, PassContext, PassResult, add_node, fake_mode_of, node_values, strip_layout
+from fp8fx.passes.graph_utils import PassContext, PassResult, add_node, fake_mode_of, node_values, strip_layout
 from fp8fx.runtime.shadow import ShadowChecks
 
 fp8fx_ops = torch.ops.fp8fx
 aten = torch.ops.aten
 
 # Meta that identifies the replaced GEMM; carried over to the scaled_mm node.
-_CARRIED_META = ("seq_nr", "autograd_backward", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack", "stack_trace", META_KEY)
+_CARRIED_META = ("seq_nr", "autograd_backward", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack", "stack_trace")
 
 
 @dataclass
@@ -121,25 +121,25 @@ class _Inserter:
         return q.fp8, q
 
     def rewrite(self, gemm: fx.Node) -> fx.Node:
-        meta = gemm.meta[META_KEY]
-        d = meta["decision"]
+        ann = annotation(gemm)
+        d = ann.decision
         left, right, bias = matmul_operands(gemm)
         specs = [CastSpec(fmt, block, d.power_of_two, d.margin, d.delayed) for fmt, block in zip(d.formats, d.blocks)]
-        keys = [state_key(meta["site"], meta["role"], operand_role) for operand_role in d.operand_roles]
+        keys = [state_key(ann.site, ann.role, operand_role) for operand_role in d.operand_roles]
         a, qa = self.operand(left, specs[0], gemm, keys[0])
         b, qb = self.operand(right, specs[1], gemm, keys[1])
-        meta["state_keys"] = (qa.state_key, qb.state_key)
         args = (a, b, qa.scale_inv, qb.scale_inv, bias, gemm.meta["val"].dtype, list(d.blocks[0]), list(d.blocks[1]), d.fast_accum)
         with self.graph.inserting_before(gemm):
             new = self.add(fp8fx_ops.scaled_mm.default, args, tag_from=gemm)
         for key in _CARRIED_META:
             if key in gemm.meta:
                 new.meta[key] = gemm.meta[key]
+        annotate(new, replace(ann, state_keys=(qa.state_key, qb.state_key)))
         gemm.replace_all_uses_with(new)
         self.graph.erase_node(gemm)
         if self.ctx.shadow is not None:  # shadow check: the same product in high precision, now and then
             with self.graph.inserting_after(new):
-                key = ShadowChecks.key(meta["site"], meta["role"])
+                key = ShadowChecks.key(ann.site, ann.role)
                 check = self.add(fp8fx_ops.shadow_check.default, (new, left, right, bias, self.ctx.shadow, key), tag_from=new)
             new.replace_all_uses_with(check, delete_user_cb=lambda user: user is not check)
         return new
@@ -156,9 +156,7 @@ def _applies(target, args: tuple, kwargs: dict, fake_mode) -> bool:
 
 
 def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    fp8_gemms = [
-        n for n in gm.graph.nodes if META_KEY in n.meta and n.meta[META_KEY].get("decision") is not None and n.meta[META_KEY]["decision"].fp8
-    ]
+    fp8_gemms = [n for n in gm.graph.nodes if any(a.fp8 for a in node_annotations(n))]
     if not fp8_gemms:
         return PassResult(gm, modified=False)
     inserter = _Inserter(gm.graph, ctx)

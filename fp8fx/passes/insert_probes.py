@@ -11,6 +11,7 @@ import torch
 from torch import fx
 
 from fp8fx.core.policy import RECIPES, Policy
+from fp8fx.passes.annotation import annotation
 from fp8fx.passes.assign_precision import decide
 from fp8fx.passes.find_matmuls import matmul_operands
 from fp8fx.passes.graph_utils import PassContext, PassResult, add_node, fake_mode_of
@@ -30,7 +31,7 @@ def insert_probes(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             left, right, _ = matmul_operands(gemm.node)
             if all(x.meta["val"].dtype.is_floating_point for x in (left, right)):
                 what_if = {name: decide(site, gemm, rctx) for name, rctx in recipes.items()}
-                probes.append((gemm.node, left, right, ProbeSpec(ctx.graph_index, site.name, role, ctx.decisions[(site.name, role)], what_if)))
+                probes.append((gemm.node, left, right, ProbeSpec(ctx.graph_index, site.name, role, annotation(gemm.node).decision, what_if)))
     for node, left, right, spec in probes:
         with gm.graph.inserting_before(node):
             probe = add_node(gm.graph, fake_mode, torch.ops.fp8fx.numerics_probe.default, (left, right, ctx.numerics.register(spec)), tag_from=node)

@@ -17,7 +17,7 @@ import math
 from torch import fx
 
 from fp8fx.passes.find_matmuls import conv_params, module_fqn
-from fp8fx.passes.graph_utils import META_KEY, PassContext, PassResult, add_node, aten, fake_mode_of
+from fp8fx.passes.graph_utils import PassContext, PassResult, add_node, aten, fake_mode_of
 
 OP_KIND = "conv_patch"
 _GRAPH_META = ("seq_nr", "autograd_backward")  # what add_node does not carry over
@@ -48,15 +48,15 @@ def _enabled(node: fx.Node, ctx: PassContext) -> bool:
 class _Builder:
     """Adds nodes before `at` that take the graph meta of `at` (and mark GEMMs as conv_patch)."""
 
-    def __init__(self, graph: fx.Graph, at: fx.Node):
-        self.graph, self.at, self.fake_mode = graph, at, fake_mode_of(graph)
+    def __init__(self, graph: fx.Graph, at: fx.Node, lowered: dict[fx.Node, str]):
+        self.graph, self.at, self.fake_mode, self.lowered = graph, at, fake_mode_of(graph), lowered
 
     def __call__(self, target, *args, gemm: bool = False) -> fx.Node:
         with self.graph.inserting_before(self.at):
             node = add_node(self.graph, self.fake_mode, target, args, tag_from=self.at)
         node.meta.update({k: self.at.meta[k] for k in _GRAPH_META if k in self.at.meta})
         if gemm:
-            node.meta[META_KEY] = {"op": OP_KIND}
+            self.lowered[node] = OP_KIND
         return node
 
 
@@ -87,10 +87,10 @@ def _to_rows(b: _Builder, y: fx.Node) -> fx.Node:
     return b(aten.reshape.default, b(aten.permute.default, y, [0, *range(2, 2 + d), 1]), [n * math.prod(grid), c])
 
 
-def _lower_forward(graph: fx.Graph, conv: fx.Node) -> None:
+def _lower_forward(graph: fx.Graph, conv: fx.Node, lowered: dict[fx.Node, str]) -> None:
     x, w, bias = conv.args[:3]
     kernel = conv_params(conv).kernel
-    b = _Builder(graph, conv)
+    b = _Builder(graph, conv, lowered)
     patches = _patches(b, x, kernel)
     w_t = b(aten.permute.default, b(aten.reshape.default, w, [w.meta["val"].shape[0], -1]), [1, 0])
     out = b(aten.addmm.default, bias, patches, w_t, gemm=True) if bias is not None else b(aten.mm.default, patches, w_t, gemm=True)
@@ -101,11 +101,11 @@ def _lower_forward(graph: fx.Graph, conv: fx.Node) -> None:
     graph.erase_node(conv)
 
 
-def _lower_backward(graph: fx.Graph, bw: fx.Node) -> None:
+def _lower_backward(graph: fx.Graph, bw: fx.Node, lowered: dict[fx.Node, str]) -> None:
     grad_out, x, w = bw.args[:3]
     mask = bw.args[10]
     kernel = conv_params(bw).kernel
-    b = _Builder(graph, bw)
+    b = _Builder(graph, bw, lowered)
     g = _to_rows(b, grad_out)
     w_shape = list(w.meta["val"].shape)
     results = [None, None, None]
@@ -131,9 +131,9 @@ def lower_patch_convs(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     seqs = {c.meta["seq_nr"] for c in convs if c.meta.get("seq_nr") is not None}
     backward = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.convolution_backward.default and n.meta.get("seq_nr") in seqs and is_patch_conv(n)]
     for node in convs:
-        _lower_forward(graph, node)
+        _lower_forward(graph, node, ctx.lowered)
     for node in backward:
-        _lower_backward(graph, node)
+        _lower_backward(graph, node, ctx.lowered)
     if not convs:
         return PassResult(gm, modified=False)
     graph.lint()

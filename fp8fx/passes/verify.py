@@ -7,6 +7,7 @@ from torch import fx
 
 from fp8fx.core.formats import fp8_format_of
 from fp8fx.core.scaling import scale_shape
+from fp8fx.passes.annotation import annotation, annotations, fp8_gemm_nodes
 from fp8fx.passes.graph_utils import PassContext, PassResult
 
 
@@ -23,17 +24,22 @@ def _returns_nothing(node: fx.Node) -> bool:
 
 def verify(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     gm.graph.lint()
-    gemm_ops = (torch.ops.fp8fx.scaled_mm.default, torch.ops.fp8fx.fp8_gemm.default)
-    scaled = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in gemm_ops]
-    n_fp8 = sum(d.fp8 for d in ctx.decisions.values())
+    scaled = fp8_gemm_nodes(gm.graph)
+    n_fp8 = sum(a.fp8 for a in annotations(gm.graph))
     if len(scaled) != n_fp8:
         raise VerifyError(f"{len(scaled)} FP8 GEMM nodes in the graph but {n_fp8} FP8 decisions")
+    unannotated = [n.name for n in scaled if annotation(n) is None or not annotation(n).fp8]
+    if unannotated:
+        raise VerifyError(f"FP8 GEMM nodes without an FP8 annotation: {', '.join(unannotated)}")
+    n_sites = sum(len(site.gemms) for site in ctx.sites)
+    if len(annotations(gm.graph)) != n_sites:
+        raise VerifyError(f"{len(annotations(gm.graph))} annotated GEMMs in the graph but find_matmuls found {n_sites}")
     for node in gm.graph.nodes:
         if "val" not in node.meta and node.op != "output" and not _returns_nothing(node):
             raise VerifyError(f"node without meta['val']: {node.format_node()}")
     for node in scaled:
         a, b, sa, sb = node.args[:4]
-        block_a, block_b = (node.args[6], node.args[7]) if node.target is gemm_ops[0] else (node.args[10], node.args[11])
+        block_a, block_b = (node.args[6], node.args[7]) if node.target is torch.ops.fp8fx.scaled_mm.default else (node.args[10], node.args[11])
         for x, s, block in ((a, sa, block_a), (b, sb, block_b)):
             try:
                 fp8_format_of(x.meta["val"].dtype)

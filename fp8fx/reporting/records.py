@@ -11,9 +11,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from fp8fx.passes.assign_precision import Decision
-from fp8fx.passes.find_matmuls import Gemm, MatmulSite
-from fp8fx.passes.graph_utils import META_KEY
+from fp8fx.passes.annotation import GemmAnnotation
 
 SCHEMA = "fp8fx.report/2"  # version of the to_dict()/JSON layout; bumped when a field changes meaning
 
@@ -103,22 +101,23 @@ class OpRecord:
         return self.precision == "fp8" and self.predicted is not None and self.predicted.speedup < 1
 
     @classmethod
-    def make(cls, graph: int, graph_kind: str, site: MatmulSite, gemm: Gemm, decision: Decision) -> OpRecord:
-        delayed = decision.delayed if decision.fp8 else None
-        meta = gemm.node.meta.get(META_KEY, {})
+    def make(cls, graph: int, graph_kind: str, ann: GemmAnnotation) -> OpRecord:
+        decision, fusion = ann.decision, ann.fusion
+        fp8 = decision.fp8
+        delayed = decision.delayed if fp8 else None
         return cls(
             graph=graph,
             graph_kind=graph_kind,
-            site=site.name,
-            fqn=site.fqn,
-            op=site.op,
-            role=gemm.role,
-            source=site.source,
-            m=_dim(gemm.m),
-            n=_dim(gemm.n),
-            k=_dim(gemm.k),
-            batch=_dim(gemm.batch),
-            flops=gemm.flops,
+            site=ann.site,
+            fqn=ann.fqn,
+            op=ann.op,
+            role=ann.role,
+            source=ann.source,
+            m=_dim(ann.m),
+            n=_dim(ann.n),
+            k=_dim(ann.k),
+            batch=_dim(ann.batch),
+            flops=ann.flops,
             precision=decision.precision.value,
             reason_kind=decision.reason_kind.value,
             reason=decision.reason,
@@ -126,21 +125,21 @@ class OpRecord:
             formats=tuple(f.value for f in decision.formats) if decision.formats else None,
             scaling=decision.scaling.value if decision.scaling else None,
             granularity=decision.granularity.value if decision.granularity else None,
-            blocks=decision.blocks if decision.fp8 else None,
-            power_of_two_scales=decision.power_of_two if decision.fp8 else None,
-            margin=decision.margin if decision.fp8 else None,
+            blocks=decision.blocks if fp8 else None,
+            power_of_two_scales=decision.power_of_two if fp8 else None,
+            margin=decision.margin if fp8 else None,
             amax_history_len=delayed.history_len if delayed else None,
             amax_compute_algo=delayed.algo.value if delayed else None,
             interval=delayed.interval if delayed else None,
-            state_keys=meta.get("state_keys") if decision.fp8 else None,
-            kernel=meta["variant"].name if "variant" in meta else None,
-            gpu_kernel=meta.get("kernel"),
-            gpu_kernel_reason=meta.get("kernel_reason"),
-            fast_accum=decision.fast_accum if decision.fp8 else None,
-            epilogue=meta["epilogue"].spec() if "epilogue" in meta else None,
-            fusion=meta.get("fusion_stop"),
-            memory_passes_added=meta["memory_passes"][0] if "memory_passes" in meta else None,
-            memory_passes_saved=meta["memory_passes"][1] if "memory_passes" in meta else None,
+            state_keys=ann.state_keys if fp8 else None,
+            kernel=fusion.variant.name if fusion and fusion.variant else None,
+            gpu_kernel=fusion.kernel if fusion else None,
+            gpu_kernel_reason=fusion.kernel_reason if fusion else None,
+            fast_accum=decision.fast_accum if fp8 else None,
+            epilogue=fusion.epilogue.spec() if fusion and fusion.epilogue else None,
+            fusion=fusion.stop if fusion else None,
+            memory_passes_added=fusion.memory_passes[0] if fusion and fusion.memory_passes else None,
+            memory_passes_saved=fusion.memory_passes[1] if fusion and fusion.memory_passes else None,
         )
 
     def with_state(self, state) -> OpRecord:

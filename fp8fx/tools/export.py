@@ -39,6 +39,7 @@ from fp8fx.compiler.state import state_for, state_key
 from fp8fx.core.formats import Fp8Format
 from fp8fx.core.policy import Granularity, Policy
 from fp8fx.ops import reference
+from fp8fx.passes.annotation import annotation
 from fp8fx.passes.assign_precision import assign_precision
 from fp8fx.passes.find_matmuls import find_matmuls, matmul_operands
 from fp8fx.passes.graph_utils import PassContext, strip_layout
@@ -203,7 +204,7 @@ def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, calibration: 
     sites, gemm_names, fp8 = [], {}, []
     for site in ctx.sites:
         gemm = site.gemms["output"]
-        decision = ctx.decisions[(site.name, "output")]
+        decision = annotation(gemm.node).decision
         sites.append(SiteExport(site.name, decision.precision.value))
         gemm_names[site.name] = gemm.node.name
         if decision.fp8:

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fp8fx.codegen.variants import Epilogue, GemmVariant
+from fp8fx.passes.annotation import annotation
 from fp8fx.runtime import numerics
 from fp8fx.runtime.numerics import EXACT_DB
 
@@ -203,7 +204,7 @@ def collect_variants(recipes=RECIPES, dims: ModelDims = COLLECT_DIMS, dtype: tor
             for node in gm.graph.nodes:
                 if node.target != torch.ops.fp8fx.fp8_gemm.default:
                     continue
-                variant = node.meta["fp8fx"]["variant"]
+                variant = annotation(node).fusion.variant
                 recipes_of, _ = seen.setdefault(variant, ([], _extra_dtypes(node)))
                 if recipe not in recipes_of:
                     recipes_of.append(recipe)

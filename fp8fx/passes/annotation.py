@@ -1,0 +1,143 @@
+"""`GemmAnnotation`: the one value fp8fx keeps in node meta, one per GEMM.
+
+`assign_precision` writes it on each GEMM found by `find_matmuls`: where the GEMM is (site,
+module, source line, role, dimensions) and its `Decision`. Later passes never decide again: they
+read it, and when they replace the GEMM node they carry it to the new node with what they added
+(`insert_casts`: the delayed-scaling states its operands use; `fuse_epilogues`: its `Fusion`).
+The report, the cost model, export, folding in analysis and the FP8 all-gather read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import fx
+
+from fp8fx.core.formats import Fp8Format
+from fp8fx.core.policy import AmaxComputeAlgo, Granularity, Precision, Scaling
+
+if TYPE_CHECKING:
+    from fp8fx.codegen.variants import GemmVariant
+    from fp8fx.core.epilogue import Epilogue
+
+META_KEY = "fp8fx"  # the only node-meta key fp8fx writes; PyTorch's own keys are read-only to us
+
+
+class ReasonKind(str, Enum):
+    """Why a GEMM got its precision; the report groups fallbacks by these."""
+
+    POLICY = "policy"  # the policy's defaults or a rule said so
+    OP_KIND = "op_kind"  # op kind not enabled for FP8 (batched matmuls by default)
+    SHAPE = "shape"  # dimensions FP8 GEMMs cannot take
+    DTYPE = "dtype"  # operands are not fp32/bf16/fp16
+    PATTERN = "pattern"  # a form of the op fp8fx does not rewrite
+    OPAQUE = "opaque"  # an op that multiplies matrices inside, which fp8fx cannot rewrite
+    CONV = "conv"  # a convolution: fp8fx runs convolutions in high precision
+    UNLINKED = "unlinked"  # a backward GEMM with no forward site to take a policy from
+    SHADOW = "shadow"  # a shadow high-precision check found its FP8 result too far off
+
+
+@dataclass(frozen=True)
+class DelayedSpec:
+    history_len: int
+    algo: AmaxComputeAlgo
+    interval: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    precision: Precision
+    reason_kind: ReasonKind
+    reason: str
+    operand_roles: tuple[str, str]  # left, right: input | weight | grad_output
+    formats: tuple[Fp8Format, Fp8Format] | None = None  # left, right when FP8
+    scaling: Scaling | None = None
+    granularity: Granularity | None = None
+    blocks: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # left, right scale blocks (see fp8fx.core.scaling)
+    power_of_two: bool = False
+    margin: int = 0
+    delayed: DelayedSpec | None = None  # set when scaling is delayed
+    fast_accum: bool = False  # Hopper's unpromoted FP8 accumulator for the whole K loop (policy fast_accum)
+
+    @property
+    def fp8(self) -> bool:
+        return self.precision is Precision.FP8
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """How an FP8 GEMM runs on a GPU: the kernel, its fused epilogue and why fusion stopped."""
+
+    kernel: str | None = None  # "triton" (the generated kernel) | "scaled_mm" (torch._scaled_mm, the epilogue as torch ops)
+    kernel_reason: str | None = None
+    stop: str | None = None  # why fusion stopped where it did
+    epilogue: Epilogue | None = None  # the fused epilogue (None: not fused)
+    absorbed: tuple[str, ...] = ()  # the graph nodes the fused kernel replaced
+    variant: GemmVariant | None = None  # the generated kernel's variant
+    memory_passes: tuple[int, int] | None = None  # full-tensor passes FP8 adds over BF16, and the epilogue saves
+
+
+Dim = Any  # int, a SymInt when dynamic, None when the op's shapes do not tell it
+
+
+@dataclass(frozen=True)
+class GemmAnnotation:
+    index: int  # position among the graph's GEMMs, in the order find_matmuls lists them
+    site: str  # module FQN, or "fqn:op#i" when a module holds several matrix products
+    fqn: str
+    op: str  # the pattern kind (fp8fx.core.patterns) or an opaque op's name
+    role: str  # output | grad_input | grad_weight
+    source: str  # file:line of the model code
+    m: Dim
+    n: Dim
+    k: Dim
+    batch: Dim
+    flops: int  # 0 when a dimension is not a number
+    decision: Decision
+    state_keys: tuple[str | None, str | None] | None = None  # delayed scaling: the operands' states
+    fusion: Fusion | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.decision.fp8
+
+
+def node_annotations(node: fx.Node) -> tuple[GemmAnnotation, ...]:
+    """The annotations of the GEMMs a node computes: one, or one per gradient for an op computing
+    several (a convolution's backward), or none."""
+    found = node.meta.get(META_KEY)
+    return found if isinstance(found, tuple) else ()
+
+
+def annotation(node: fx.Node) -> GemmAnnotation | None:
+    """The annotation of a node computing one GEMM (every FP8 GEMM does), None for other nodes."""
+    found = node_annotations(node)
+    if len(found) > 1:
+        raise ValueError(f"{node.name} computes {len(found)} GEMMs; read node_annotations")
+    return found[0] if found else None
+
+
+def annotate(node: fx.Node, value: GemmAnnotation) -> None:
+    """Set the annotation of the node's GEMM of `value.role`."""
+    others = tuple(a for a in node_annotations(node) if a.role != value.role)
+    node.meta[META_KEY] = (*others, value)
+
+
+def annotations(graph: fx.Graph) -> list[GemmAnnotation]:
+    """Every GEMM annotation of the graph, in find_matmuls' order."""
+    return sorted((a for n in graph.nodes for a in node_annotations(n)), key=lambda a: a.index)
+
+
+def update_fusion(node: fx.Node, **changes: Any) -> None:
+    """Replace the node's annotation by one whose `fusion` has `changes`."""
+    ann = annotation(node)
+    annotate(node, replace(ann, fusion=replace(ann.fusion or Fusion(), **changes)))
+
+
+def fp8_gemm_nodes(graph: fx.Graph) -> list[fx.Node]:
+    """The graph's FP8 GEMM nodes (`fp8fx::scaled_mm`, `fp8fx::fp8_gemm`)."""
+    ops = (torch.ops.fp8fx.scaled_mm.default, torch.ops.fp8fx.fp8_gemm.default)
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in ops]
