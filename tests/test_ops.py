@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fp8fx import ops
-from fp8fx.codegen.scaled_mm_cuda import scaled_mm_2d, scaled_mm_cuda
 from fp8fx.core.formats import FormatRecipe, Fp8Format, saturating_cast
+from fp8fx.ops.cuda import scaled_mm_2d, scaled_mm_cuda
 
 E4M3, E5M2 = Fp8Format.E4M3, Fp8Format.E5M2
 

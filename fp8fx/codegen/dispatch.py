@@ -1,11 +1,12 @@
-"""Which kernel runs each FP8 GEMM on a GPU, and the CUDA implementations of the fp8fx ops.
+"""Which kernel runs each FP8 GEMM on a GPU (the implementations that run it: `fp8fx.ops.cuda`).
 
 `choose_kernel` decides once per GEMM, when the graph is rewritten, and the report shows the choice
 and its reason. Until a GPU has measured fp8fx's kernels, `kernels="auto"` cannot lose to cuBLAS by
 design: a GEMM whose fused epilogue saves no memory pass runs `torch._scaled_mm`, and the generated
 kernel runs only where fusion saves passes. A measured table (written by `fp8fx selftest` on the
 GPU, one JSON file per device) overrides that from the nearest measured shape of the same variant.
-Without Triton every GEMM runs `torch._scaled_mm`. This module imports no Triton.
+Without Triton every GEMM runs `torch._scaled_mm`; `scaled_mm_supports` says what PyTorch's
+scaled-mm kernels can run at all. This module imports no Triton.
 """
 
 from __future__ import annotations
@@ -18,10 +19,8 @@ import re
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
-from fp8fx.codegen.scaled_mm_cuda import scaled_mm_2d, scaled_mm_supports
-from fp8fx.codegen.variants import Epilogue, GemmVariant
+from fp8fx.codegen.variants import GemmVariant
 
 TABLE_FORMAT = 1
 
@@ -43,6 +42,27 @@ def interpreter_active() -> bool:
     import triton
 
     return bool(triton.knobs.runtime.interpret)
+
+
+def scaled_mm_kind(block_a: list[int], block_b: list[int]) -> str | None:
+    """Which of PyTorch's scaled-mm kernels takes these scale blocks: "tensorwise", "rowwise" (a
+    rowwise GEMM may have one tensorwise side) or "blockwise"; None: none of them."""
+    block_a, block_b = list(block_a), list(block_b)
+    if not block_a and not block_b:
+        return "tensorwise"
+    if block_a in ([], [1, 0]) and block_b in ([], [0, 1]):
+        return "rowwise"
+    if block_a in ([1, 128], [128, 128]) and block_b in ([128, 1], [128, 128]):
+        return "blockwise"
+    return None
+
+
+def scaled_mm_supports(variant: GemmVariant) -> str:
+    """Why PyTorch's scaled-mm kernels cannot run `variant`'s GEMM ("" when they can)."""
+    block_a, block_b = list(variant.block_a), list(variant.block_b)
+    if variant.a_dtype == variant.b_dtype == torch.float8_e5m2:
+        return "two E5M2 operands"
+    return "" if scaled_mm_kind(block_a, block_b) else f"scale blocks {block_a} x {block_b}"
 
 
 def table_path(device_name: str) -> Path:
@@ -112,33 +132,10 @@ def choose_kernel(kernels: str, variant: GemmVariant, shape: tuple, device: torc
     return "triton", f"fused epilogue saves {saved} memory pass{'es' if saved > 1 else ''}"
 
 
-def fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, ep: Epilogue, fast_accum: bool):
-    from fp8fx.codegen.launch import fp8_gemm
+def __getattr__(name: str):
+    # Old location of the CUDA implementation of fp8fx::fp8_gemm, now fp8fx.ops.cuda.
+    if name == "fp8_gemm_cuda":
+        from fp8fx.ops.cuda import fp8_gemm_cuda
 
-    out, aux, amax = fp8_gemm(
-        a, b, scale_inv_a, scale_inv_b, block_a=tuple(block_a), block_b=tuple(block_b), epilogue=ep, bias=bias, other=other,
-        residual=residual, out_scale=out_scale, out_dtype=out_dtype, aux_dtype=aux_dtype, fast_accum=fast_accum,
-    )  # fmt: skip
-    # Absent outputs are fresh empty tensors (outputs of a custom op may not alias each other).
-    aux = aux if aux is not None else out.new_empty(0, dtype=aux_dtype)
-    return out, aux, amax if amax is not None else out.new_empty(0, dtype=torch.float32)
-
-
-def fp8_gemm_cuda(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, kernel, fast_accum):
-    from fp8fx.ops import reference
-
-    ep = Epilogue.parse(epilogue)
-    if kernel == "scaled_mm":  # cuBLASLt GEMM, then the epilogue as separate torch ops
-        y = scaled_mm_2d(a, b, scale_inv_a, scale_inv_b, torch.float32, block_a, block_b, fast_accum=fast_accum)
-        return reference.fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_dtype, ep)
-    return fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, ep, fast_accum)
-
-
-def cast_cuda(x: Tensor, scale: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:
-    from fp8fx.ops.reference import cast as reference_cast
-
-    if not triton_available() or x.dim() < 2 or (x.dim() > 2 and block and block[0] != 1):  # batched blocks (bmm operands): rare
-        return reference_cast(x, scale, dtype, block)
-    from fp8fx.codegen.launch import cast
-
-    return cast(x, scale, dtype, tuple(block))
+        return fp8_gemm_cuda
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,13 +22,13 @@ from fp8fx.codegen.triton_kernels import amax_kernel, fp8_gemm_kernel, quantize_
 from fp8fx.codegen.variants import (
     DEFAULT_FAMILY,
     GRID_LIMITS,
-    Epilogue,
     GemmVariant,
     QuantizeVariant,
     TileConfig,
     configs_for,
     device_target,
 )
+from fp8fx.core.epilogue import Epilogue
 from fp8fx.core.formats import fp8_format_of
 from fp8fx.core.scaling import scale_shape
 

@@ -23,7 +23,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fp8fx.codegen.triton_kernels import fp8_gemm_kernel, quantize_kernel
-from fp8fx.codegen.variants import CONFIGS, FAMILIES, Epilogue, GemmVariant, QuantizeVariant, TileConfig, configs_for
+from fp8fx.codegen.variants import CONFIGS, FAMILIES, GemmVariant, QuantizeVariant, TileConfig, configs_for
+from fp8fx.core.epilogue import Epilogue
 
 CAPABILITY = {"sm_89": 89, "sm_90a": 90, "sm_100a": 100}
 SHARED_MEMORY_LIMIT = {"sm_89": 101376, "sm_90a": 232448, "sm_100a": 232448}  # bytes per block (opt-in max)

@@ -9,10 +9,13 @@ order of a transformer's elementwise chain after a matmul:
                                                 the whole K loop, else each BLOCK_K is promoted)
     y   = acc * scale_inv_a * scale_inv_b      (per tensor / row / column / K-block)
     y   = y + bias                              HAS_BIAS
-    aux = y                                     AUX_STAGE == 1 (pre-activation, for backward)
+    aux = y                                     AUX_STAGE pre_activation (for backward)
     y   = act(y)                                ACTIVATION: relu, gelu, gelu_tanh, silu
-    y   = y * other   or   act(other) * y       MUL_MODE 1 / 2 (gated MLPs: silu(gate) * up)
+    aux = y                                     AUX_STAGE activation
+    y   = y * other   or   act(other) * y       MUL_MODE by_other / gated (silu(gate) * up)
+    aux = y                                     AUX_STAGE product
     y   = y + residual                          HAS_RESIDUAL
+    aux = y                                     AUX_STAGE sum
     amax(|y|) -> atomic max                     OUT_AMAX (producer amax for the next FP8 cast)
     out = y, or saturate(y * out_scale) in FP8  OUT_FP8
 
@@ -23,6 +26,10 @@ exact on every backend, including Triton's interpreter whose FP8 downcast does n
 Row and column offsets are 64-bit wherever they meet a stride: a tensor of 2**31 elements or more
 (a weight-gradient operand of 28672 x 81920) would wrap in 32-bit arithmetic. The epilogue is one
 `@triton.jit` function shared by every GEMM kernel family (`fp8fx.codegen.tma_kernel` too).
+
+The integer codes of activations, aux stages and product modes are `fp8fx.core.epilogue`'s, the
+contract the graph passes and the reference ops share; `_activation` implements every activation
+of its table (tests/interpreter/test_activations.py runs each one against the torch reference).
 """
 
 from __future__ import annotations
@@ -30,6 +37,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from fp8fx.core.epilogue import ACTIVATIONS, AUX_STAGES, MUL_MODES
+
+_RELU = tl.constexpr(ACTIVATIONS["relu"].code)
+_GELU = tl.constexpr(ACTIVATIONS["gelu"].code)
+_GELU_TANH = tl.constexpr(ACTIVATIONS["gelu_tanh"].code)
+_SILU = tl.constexpr(ACTIVATIONS["silu"].code)
+_AUX_PRE_ACTIVATION = tl.constexpr(AUX_STAGES.index("pre_activation"))
+_AUX_ACTIVATION = tl.constexpr(AUX_STAGES.index("activation"))
+_AUX_PRODUCT = tl.constexpr(AUX_STAGES.index("product"))
+_AUX_SUM = tl.constexpr(AUX_STAGES.index("sum"))
+_MUL_NONE = tl.constexpr(MUL_MODES.index("none"))
+_MUL_BY_OTHER = tl.constexpr(MUL_MODES.index("by_other"))
 _SQRT_HALF = tl.constexpr(0.7071067811865476)
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
@@ -62,14 +81,15 @@ def _abs_max(x):
 
 @triton.jit
 def _activation(y, ACTIVATION: tl.constexpr):
-    if ACTIVATION == 1:
+    """`fp8fx.core.epilogue.ACTIVATIONS` by code ("none" and unknown codes: y unchanged)."""
+    if ACTIVATION == _RELU:
         y = tl.maximum(y, 0.0)
-    elif ACTIVATION == 2:
+    elif ACTIVATION == _GELU:
         y = 0.5 * y * (1.0 + tl.math.erf(y * _SQRT_HALF))
-    elif ACTIVATION == 3:
+    elif ACTIVATION == _GELU_TANH:
         inner = _SQRT_2_OVER_PI * (y + 0.044715 * y * y * y)
         y = 0.5 * y * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))  # 1 + tanh(inner)
-    elif ACTIVATION == 4:
+    elif ACTIVATION == _SILU:
         y = y / (1.0 + tl.exp(-y))
     return y
 
@@ -125,22 +145,22 @@ def epilogue_store(
     cols = offs_n[None, :]
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if AUX_STAGE == 1:
+    if AUX_STAGE == _AUX_PRE_ACTIVATION:
         tl.store(aux_ptr + rows * stride_aux_m + cols * stride_aux_n, y.to(aux_ptr.dtype.element_ty), mask=mask)
     y = _activation(y, ACTIVATION)
-    if AUX_STAGE == 2:
+    if AUX_STAGE == _AUX_ACTIVATION:
         tl.store(aux_ptr + rows * stride_aux_m + cols * stride_aux_n, y.to(aux_ptr.dtype.element_ty), mask=mask)
-    if MUL_MODE != 0:
+    if MUL_MODE != _MUL_NONE:
         other = tl.load(other_ptr + rows * stride_xm + cols * stride_xn, mask=mask, other=0.0).to(tl.float32)
-        if MUL_MODE == 1:
+        if MUL_MODE == _MUL_BY_OTHER:
             y = y * other
         else:
             y = _activation(other, MUL_ACTIVATION) * y
-    if AUX_STAGE == 3:
+    if AUX_STAGE == _AUX_PRODUCT:
         tl.store(aux_ptr + rows * stride_aux_m + cols * stride_aux_n, y.to(aux_ptr.dtype.element_ty), mask=mask)
     if HAS_RESIDUAL:
         y += tl.load(residual_ptr + rows * stride_rm + cols * stride_rn, mask=mask, other=0.0).to(tl.float32)
-    if AUX_STAGE == 4:
+    if AUX_STAGE == _AUX_SUM:
         tl.store(aux_ptr + rows * stride_aux_m + cols * stride_aux_n, y.to(aux_ptr.dtype.element_ty), mask=mask)
     if OUT_AMAX:
         tl.atomic_max(amax_ptr, _abs_max(tl.where(mask, y, 0.0)))

@@ -13,80 +13,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from fp8fx.core.epilogue import Epilogue
 from fp8fx.core.formats import fp8_format_of
-
-ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")  # index = the kernels' ACTIVATION constexpr
-# Where the epilogue's optional second output (`aux`) is taken: the value a backward op needs.
-AUX_STAGES = ("none", "pre_activation", "activation", "product", "sum")
-MUL_MODES = ("none", "by_other", "gated")  # y * other  |  act(other) * y
-
-
-@dataclass(frozen=True)
-class Epilogue:
-    """The elementwise chain fused after an FP8 GEMM, in the kernel's fixed order."""
-
-    bias: bool = False
-    activation: str = "none"
-    mul: str = "none"
-    mul_activation: str = "none"
-    residual: bool = False
-    aux: str = "none"
-    out_amax: bool = False
-
-    def __post_init__(self):
-        for field, value, allowed in (
-            ("activation", self.activation, ACTIVATIONS),
-            ("mul_activation", self.mul_activation, ACTIVATIONS),
-            ("mul", self.mul, MUL_MODES),
-            ("aux", self.aux, AUX_STAGES),
-        ):
-            if value not in allowed:
-                raise ValueError(f"fp8fx epilogue: {field}={value!r}; expected one of {', '.join(allowed)}")
-
-    def spec(self) -> str:
-        """Compact text form, the op argument in graphs: `bias,act=gelu,aux=pre_activation`."""
-        parts = ["bias"] if self.bias else []
-        if self.activation != "none":
-            parts.append(f"act={self.activation}")
-        if self.mul == "by_other":
-            parts.append("mul")
-        elif self.mul == "gated":
-            parts.append(f"gate={self.mul_activation}")
-        if self.residual:
-            parts.append("residual")
-        if self.aux != "none":
-            parts.append(f"aux={self.aux}")
-        if self.out_amax:
-            parts.append("amax")
-        return ",".join(parts)
-
-    @classmethod
-    def parse(cls, spec: str) -> "Epilogue":
-        fields: dict = {}
-        for part in filter(None, spec.split(",")):
-            key, _, value = part.partition("=")
-            if key == "bias":
-                fields["bias"] = True
-            elif key == "act":
-                fields["activation"] = value
-            elif key == "mul":
-                fields["mul"] = "by_other"
-            elif key == "gate":
-                fields["mul"], fields["mul_activation"] = "gated", value
-            elif key == "residual":
-                fields["residual"] = True
-            elif key == "aux":
-                fields["aux"] = value
-            elif key == "amax":
-                fields["out_amax"] = True
-            else:
-                raise ValueError(f"fp8fx epilogue spec {spec!r}: unknown part {part!r}")
-        return cls(**fields)
-
-    def ops(self) -> int:
-        """Elementwise graph ops this epilogue absorbs (each one a memory pass saved)."""
-        return sum((self.bias, self.activation != "none", self.mul != "none", self.mul == "gated" and self.mul_activation != "none", self.residual))
-
 
 _FP8_CONSTS = {  # FP8_MAX, MANTISSA_BITS, MIN_EXPONENT (of normal numbers)
     torch.float8_e4m3fn: (448.0, 3, -6),
@@ -144,16 +72,12 @@ class GemmVariant:
         return f"fp8_gemm_{_SHORT[self.a_dtype]}{_SHORT[self.b_dtype]}_s{blk(self.block_a)}.{blk(self.block_b)}_{ep}_{_SHORT[self.out_dtype]}{fast}"
 
     def constexprs(self) -> dict:
-        e = self.epilogue
         out_fp8 = self.out_dtype in _FP8_CONSTS
         fp8_max, mantissa, min_exp = _FP8_CONSTS[self.out_dtype] if out_fp8 else _FP8_CONSTS[torch.float8_e4m3fn]
         a_rows, a_k = self.block_a or (0, 0)
         b_k, b_cols = self.block_b or (0, 0)
         return dict(
-            A_ROW_BLOCK=a_rows, A_K_BLOCK=a_k, B_K_BLOCK=b_k, B_COL_BLOCK=b_cols,
-            HAS_BIAS=e.bias, AUX_STAGE=AUX_STAGES.index(e.aux), ACTIVATION=ACTIVATIONS.index(e.activation),
-            MUL_MODE=MUL_MODES.index(e.mul), MUL_ACTIVATION=ACTIVATIONS.index(e.mul_activation),
-            HAS_RESIDUAL=e.residual, OUT_AMAX=e.out_amax, OUT_FP8=out_fp8,
+            A_ROW_BLOCK=a_rows, A_K_BLOCK=a_k, B_K_BLOCK=b_k, B_COL_BLOCK=b_cols, **self.epilogue.constexprs(), OUT_FP8=out_fp8,
             FP8_MAX=fp8_max, MANTISSA_BITS=mantissa, MIN_EXPONENT=min_exp, FAST_ACCUM=self.fast_accum,
         )
 

@@ -1,8 +1,9 @@
 """`torch.library` operators for the explicit amax -> scale -> cast -> FP8 GEMM chain.
 
 Each op is the reference implementation of `reference.py` (which emulates FP8 exactly) plus a
-fake (shape) implementation; on CUDA tensors `scaled_mm` runs `fp8fx.codegen.scaled_mm_cuda`,
-and `fp8_gemm` and `cast` run the generated Triton kernels (`fp8fx.codegen.dispatch`).
+fake (shape) implementation; `fp8fx.ops.cuda` registers what runs on CUDA tensors (the generated
+Triton kernels, `torch._scaled_mm`) and a "triton" `fp8_gemm` on CPU tensors under Triton's
+interpreter.
 The ops have no autograd formula: they are inserted into graphs that are already differentiated
 (the joint graph) or inference-only. `block` arguments describe the granularity (see
 `fp8fx.core.scaling`): `[]` tensorwise, `[b0, b1]` one scale per b0 x b1 block of the last two dims
@@ -15,19 +16,15 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from fp8fx.codegen.dispatch import cast_cuda, fp8_gemm_cuda
-from fp8fx.codegen.scaled_mm_cuda import scaled_mm_cuda
+from fp8fx.core.epilogue import Epilogue
 from fp8fx.core.scaling import scale_shape
 from fp8fx.ops import reference
 
 amax = custom_op("fp8fx::amax", reference.amax, mutates_args=())
 amax_to_scale = custom_op("fp8fx::amax_to_scale", reference.amax_to_scale, mutates_args=())
 cast = custom_op("fp8fx::cast", reference.cast, mutates_args=())
-cast.register_kernel("cuda")(cast_cuda)
 scaled_mm = custom_op("fp8fx::scaled_mm", reference.scaled_mm, mutates_args=())
-scaled_mm.register_kernel("cuda")(scaled_mm_cuda)
 fp8_gemm = custom_op("fp8fx::fp8_gemm", reference.fp8_gemm, mutates_args=())
-fp8_gemm.register_kernel("cuda")(fp8_gemm_cuda)
 delayed_scale_update = custom_op("fp8fx::delayed_scale_update", reference.delayed_scale_update, mutates_args=())
 
 
@@ -59,8 +56,6 @@ def _(amax_history, scale, steps, non_finite, amax, fp8_max, margin, power_of_tw
 
 @fp8_gemm.register_fake
 def _(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, kernel, fast_accum):
-    from fp8fx.codegen.variants import Epilogue
-
     reference.check_scaled_mm_args(a, b, scale_inv_a, scale_inv_b, block_a, block_b)
     ep = Epilogue.parse(epilogue)
     shape = (*a.shape[:-1], b.shape[-1])

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from fp8fx.core import scaling
+from fp8fx.core.epilogue import ACTIVATIONS, Epilogue
 from fp8fx.core.formats import fp8_format_of, saturating_cast
 from fp8fx.core.scaling import block_dims, scale_shape
 
@@ -138,16 +139,6 @@ def delayed_scale_update(
     return new_history, new_scale, steps + 1, non_finite + (~torch.isfinite(amax)).to(non_finite.dtype)
 
 
-def _activation(y: Tensor, name: str) -> Tensor:
-    if name == "relu":
-        return torch.relu(y)
-    if name in ("gelu", "gelu_tanh"):
-        return torch.nn.functional.gelu(y, approximate="tanh" if name == "gelu_tanh" else "none")
-    if name == "silu":
-        return torch.nn.functional.silu(y)
-    return y
-
-
 def fp8_gemm(
     a: Tensor,
     b: Tensor,
@@ -169,18 +160,12 @@ def fp8_gemm(
 
     `epilogue` is an `Epilogue.spec()` string. Everything after the GEMM runs in fp32 and is rounded
     once, to `out_dtype` (FP8: saturating cast of `y * out_scale`). Returns (out, aux, amax); aux
-    and amax are empty tensors when the epilogue does not make them. `kernel` is what runs on a GPU
-    ("triton": the generated kernel, "scaled_mm"); on CPU tensors under Triton's interpreter a
-    "triton" GEMM runs the generated kernel too, through the same launcher. The CPU accumulates
-    in fp32 whatever `fast_accum` (Hopper's reduced-precision FP8 accumulator) says."""
-    from fp8fx.codegen.dispatch import fp8_gemm_triton, interpreter_active
-    from fp8fx.codegen.variants import Epilogue  # the spec's parser; codegen imports no reference code
-
-    ep = Epilogue.parse(epilogue)
-    if kernel == "triton" and interpreter_active():
-        return fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, ep, fast_accum)
+    and amax are empty tensors when the epilogue does not make them. `kernel` names what runs on a
+    GPU ("triton": the generated kernel, "scaled_mm"; see `fp8fx.ops.cuda`): the emulation is the
+    same for both. The CPU accumulates in fp32 whatever `fast_accum` (Hopper's reduced-precision
+    FP8 accumulator) says."""
     y = scaled_mm(a, b, scale_inv_a, scale_inv_b, None, torch.float32, block_a, block_b)
-    return fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_dtype, ep)
+    return fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_dtype, Epilogue.parse(epilogue))
 
 
 def fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_dtype, ep) -> tuple[Tensor, Tensor, Tensor]:
@@ -196,12 +181,12 @@ def fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_
     if ep.bias:
         y.add_(bias)
     keep("pre_activation")
-    y = _activation(y, ep.activation)
+    y = ACTIVATIONS[ep.activation].reference(y)
     keep("activation")
     if ep.mul == "by_other":
         y.mul_(other)
     elif ep.mul == "gated":
-        y.mul_(_activation(other.to(torch.float32), ep.mul_activation))
+        y.mul_(ACTIVATIONS[ep.mul_activation].reference(other.to(torch.float32)))
     keep("product")
     if ep.residual:
         y.add_(residual)

@@ -1,0 +1,157 @@
+"""The GPU implementations of the fp8fx ops, registered on them here.
+
+`fp8fx::fp8_gemm` runs the kernel the graph chose (`fp8fx.codegen.dispatch.choose_kernel`):
+"triton", the generated kernel through its one launcher (`fp8fx.codegen.launch`), or "scaled_mm",
+`torch._scaled_mm` (cuBLASLt / CUTLASS) to fp32 and then the epilogue as torch ops (the
+reference's). `fp8fx::cast` runs the generated cast kernel, `fp8fx::scaled_mm` (batched GEMMs, and
+graphs without fused epilogues) `torch._scaled_mm`.
+
+The code a GPU runs is the code the CPU tests run: on CPU tensors under Triton's interpreter
+(`TRITON_INTERPRET=1` before fp8fx is imported) a "triton" GEMM goes through `fp8_gemm_triton` too,
+and `scaled_mm_2d` runs on torch's CPU `_scaled_mm` kernel.
+
+`torch._scaled_mm` takes 2-D operands whose dimensions are multiples of 16, the left operand
+row-major and the right one column-major, and at most one E5M2 operand. Any other shape or layout
+is zero-padded and copied here (zeros add nothing to the product): the token dimension varies from
+batch to batch, and it is K in the weight gradient. Rowwise and blockwise scaling produce bf16 in
+the kernel; the result is then cast to the requested dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fp8fx.codegen.dispatch import interpreter_active, scaled_mm_kind, triton_available
+from fp8fx.core.epilogue import Epilogue
+from fp8fx.ops import library, reference
+
+ALIGN = 16
+
+
+def _pad_to(t: Tensor, dim: int, multiple: int, value: float = 0.0) -> Tensor:
+    extra = -t.shape[dim] % multiple
+    if extra == 0:
+        return t
+    pad = [0, 0] * (t.dim() - 1 - dim) + [0, extra]
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # F.pad has no FP8 kernels: pad the bytes
+        return F.pad(t.view(torch.uint8), pad).view(t.dtype)
+    return F.pad(t, pad, value=value)
+
+
+def _block_recipe(block: list[int]):
+    if block == [1, 128] or block == [128, 1]:
+        return F.ScalingType.BlockWise1x128
+    if block == [128, 128]:
+        return F.ScalingType.BlockWise128x128
+    raise ValueError(f"FP8 GEMM on CUDA: no kernel for block {block}; supported: [1,128], [128,1], [128,128]")
+
+
+def scaled_mm_2d(
+    a: Tensor,
+    b: Tensor,
+    scale_inv_a: Tensor,
+    scale_inv_b: Tensor,
+    out_dtype: torch.dtype,
+    block_a: list[int] = (),
+    block_b: list[int] = (),
+    fast_accum: bool = False,
+) -> Tensor:
+    """One 2-D FP8 GEMM through `torch._scaled_mm`: checks, pads M, N and K to multiples of 16, lays
+    out b column-major. `fast_accum` is its `use_fast_accum` (Hopper's FP8 accumulator, unpromoted)."""
+    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+        raise ValueError("FP8 GEMM with two E5M2 operands is not supported by cuBLASLt; use format hybrid or e4m3")
+    m, n = a.shape[0], b.shape[1]
+    block_a, block_b = list(block_a), list(block_b)
+    # Zero rows / columns / K-slices change no product, and padding to 16 never opens a new 128-block.
+    a = _pad_to(_pad_to(a, 0, ALIGN), 1, ALIGN).contiguous()
+    b = _pad_to(_pad_to(b, 0, ALIGN), 1, ALIGN).t().contiguous().t()  # column-major
+    kind = scaled_mm_kind(block_a, block_b)
+    if kind == "tensorwise":
+        out = torch._scaled_mm(a, b, scale_a=scale_inv_a, scale_b=scale_inv_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
+        return out[:m, :n]
+    if kind == "rowwise":  # a tensorwise side becomes a constant column / row of scales
+        sa = _pad_to(scale_inv_a.reshape(-1, 1).expand(m, 1).contiguous(), 0, ALIGN, 1.0)
+        sb = _pad_to(scale_inv_b.reshape(1, -1).expand(1, n).contiguous(), 1, ALIGN, 1.0)
+        out = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+        return out[:m, :n].to(out_dtype)
+    sa = _pad_to(scale_inv_a, 0, ALIGN, 1.0)
+    sb = _pad_to(scale_inv_b, 1, ALIGN, 1.0) if block_b == [128, 1] else scale_inv_b
+    out = F.scaled_mm(a, b, sa, _block_recipe(block_a), sb, _block_recipe(block_b), output_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+    return out[:m, :n].to(out_dtype)
+
+
+def scaled_mm_cuda(
+    a: Tensor,
+    b: Tensor,
+    scale_inv_a: Tensor,
+    scale_inv_b: Tensor,
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+    block_a: list[int],
+    block_b: list[int],
+    fast_accum: bool = False,
+) -> Tensor:
+    """`fp8fx::scaled_mm` on CUDA: 2-D and batched GEMMs (one `torch._scaled_mm` per batch entry)."""
+    reference.check_scaled_mm_args(a, b, scale_inv_a, scale_inv_b, block_a, block_b)
+    if a.dim() == 2:
+        out = scaled_mm_2d(a, b, scale_inv_a, scale_inv_b, out_dtype, block_a, block_b, fast_accum)
+    else:  # bmm: one GEMM per batch entry until the batched Triton kernel exists
+
+        def scale(s: Tensor, block: list[int], i: int) -> Tensor:
+            return s[i] if block else s
+
+        out = torch.stack([
+            scaled_mm_2d(a[i], b[i], scale(scale_inv_a, block_a, i), scale(scale_inv_b, block_b, i), out_dtype, block_a, block_b, fast_accum)
+            for i in range(a.shape[0])
+        ])  # fmt: skip
+    if bias is not None:
+        out = out + bias.to(out_dtype)
+    return out
+
+
+def fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, ep: Epilogue, fast_accum: bool):
+    """The generated kernel, through the launcher every device uses (GPUs, and the interpreter)."""
+    from fp8fx.codegen.launch import fp8_gemm
+
+    out, aux, amax = fp8_gemm(
+        a, b, scale_inv_a, scale_inv_b, block_a=tuple(block_a), block_b=tuple(block_b), epilogue=ep, bias=bias, other=other,
+        residual=residual, out_scale=out_scale, out_dtype=out_dtype, aux_dtype=aux_dtype, fast_accum=fast_accum,
+    )  # fmt: skip
+    # Absent outputs are fresh empty tensors (outputs of a custom op may not alias each other).
+    aux = aux if aux is not None else out.new_empty(0, dtype=aux_dtype)
+    return out, aux, amax if amax is not None else out.new_empty(0, dtype=torch.float32)
+
+
+def fp8_gemm_cuda(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, kernel, fast_accum):
+    """`fp8fx::fp8_gemm` on CUDA: the kernel the graph chose."""
+    ep = Epilogue.parse(epilogue)
+    if kernel == "scaled_mm":  # cuBLASLt GEMM, then the epilogue as separate torch ops
+        y = scaled_mm_2d(a, b, scale_inv_a, scale_inv_b, torch.float32, block_a, block_b, fast_accum=fast_accum)
+        return reference.fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_dtype, ep)
+    return fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, ep, fast_accum)
+
+
+def fp8_gemm_cpu(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, kernel, fast_accum):
+    """`fp8fx::fp8_gemm` on CPU tensors: a "triton" GEMM under Triton's interpreter runs the
+    generated kernel as a GPU would; everything else the exact emulation."""
+    if kernel == "triton" and interpreter_active():
+        ep = Epilogue.parse(epilogue)
+        return fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, ep, fast_accum)
+    return reference.fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, kernel, fast_accum)
+
+
+def cast_cuda(x: Tensor, scale: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:
+    """`fp8fx::cast` on CUDA: the generated cast kernel (the reference for batched blocks, or without Triton)."""
+    if not triton_available() or x.dim() < 2 or (x.dim() > 2 and block and block[0] != 1):  # batched blocks (bmm operands): rare
+        return reference.cast(x, scale, dtype, block)
+    from fp8fx.codegen.launch import cast
+
+    return cast(x, scale, dtype, tuple(block))
+
+
+library.cast.register_kernel("cuda")(cast_cuda)
+library.scaled_mm.register_kernel("cuda")(scaled_mm_cuda)
+library.fp8_gemm.register_kernel("cuda")(fp8_gemm_cuda)
+library.fp8_gemm.register_kernel("cpu")(fp8_gemm_cpu)
