@@ -13,7 +13,7 @@ from torch import nn
 import fp8fx
 from fp8fx.runtime.monitor import JsonlWriter
 
-OBSERVE = torch.ops.fp8fx.observe.default
+OBSERVE = torch.ops.fp8fx.tap.default  # the monitor's tap in front of each cast
 
 
 def crafted() -> torch.Tensor:

@@ -12,7 +12,7 @@ from torch import nn
 
 import fp8fx
 
-SHADOW_CHECK = torch.ops.fp8fx.shadow_check.default
+SHADOW_CHECK = torch.ops.fp8fx.tap.default  # the shadow check's tap after each FP8 GEMM
 
 
 class Net(nn.Module):

@@ -316,8 +316,8 @@ class Fp8fxBackend:
         kind = _graph_kind(gm)
         traffic = non_gemm_bytes(gm.graph)
         ctx = PassContext(self.policy, fuse_epilogues=self.fuse_epilogues, kernels=self.kernels, numerics=self.numerics, graph_index=len(self.graphs),
-            monitor=id(self.monitor) if self.monitor is not None else None,
-            shadow=id(self.shadow) if self.shadow is not None else None, overrides=dict(self.overrides),
+            monitor=self.monitor.tap_handler if self.monitor is not None else None,
+            shadow=self.shadow.tap_handler if self.shadow is not None else None, overrides=dict(self.overrides),
             amax_group=_amax_group_name(state) if state_keys else None, param_inputs=param_inputs,
         )  # fmt: skip
         if state_keys:

@@ -21,6 +21,7 @@ from fp8fx.core.policy import AmaxComputeAlgo
 from fp8fx.passes.annotation import DelayedSpec, annotate, annotation, node_annotations
 from fp8fx.passes.find_matmuls import matmul_operands
 from fp8fx.passes.graph_utils import PassContext, PassResult, add_node, fake_mode_of, node_values, strip_layout
+from fp8fx.runtime.monitor import Monitor
 from fp8fx.runtime.shadow import ShadowChecks
 
 fp8fx_ops = torch.ops.fp8fx
@@ -84,7 +85,8 @@ class _Inserter:
                 update = self.add(fp8fx_ops.delayed_scale_update.default, update_args, tag_from=tag_from)
                 new_state = [self.add(operator.getitem, (update, i), tag_from=tag_from) for i in range(len(state))]
             if self.ctx.monitor is not None:  # the runtime monitor samples what this cast receives
-                scale = self.add(fp8fx_ops.observe.default, (x, scale, self.ctx.monitor, state_key, fmt.value, block), tag_from=tag_from)
+                tap_args = (scale, [x], self.ctx.monitor, Monitor.tap_key(state_key, fmt, block))
+                scale = self.add(fp8fx_ops.tap.default, tap_args, tag_from=tag_from)
             fp8 = self.add(fp8fx_ops.cast.default, (x, scale, fmt.dtype, block), tag_from=tag_from)
             scale_inv = self.add(aten.reciprocal.default, (scale,), tag_from=tag_from)
         if state is not None:
@@ -140,7 +142,8 @@ class _Inserter:
         if self.ctx.shadow is not None:  # shadow check: the same product in high precision, now and then
             with self.graph.inserting_after(new):
                 key = ShadowChecks.key(ann.site, ann.role)
-                check = self.add(fp8fx_ops.shadow_check.default, (new, left, right, bias, self.ctx.shadow, key), tag_from=new)
+                observed = [left, right] if bias is None else [left, right, bias]
+                check = self.add(fp8fx_ops.tap.default, (new, observed, self.ctx.shadow, key), tag_from=new)
             new.replace_all_uses_with(check, delete_user_cb=lambda user: user is not check)
         return new
 

@@ -1,5 +1,6 @@
-"""insert_probes: with numerics on (`ctx.numerics`), put an `fp8fx::numerics_probe` in front of
-every GEMM so an analysis run measures what FP8 does to its operands (see `fp8fx.runtime.numerics`).
+"""insert_probes: with numerics on (`ctx.numerics`), put a probe (`fp8fx::tap(left, [right],
+collector, key)`) in front of every GEMM so an analysis run measures what FP8 does to its operands
+(see `fp8fx.runtime.numerics`).
 
 Runs after assign_precision and before insert_casts, so the probes see the high-precision
 operands; the GEMM takes the probe's copy of its left operand, which keeps the probe alive
@@ -34,7 +35,8 @@ def insert_probes(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 probes.append((gemm.node, left, right, ProbeSpec(ctx.graph_index, site.name, role, annotation(gemm.node).decision, what_if)))
     for node, left, right, spec in probes:
         with gm.graph.inserting_before(node):
-            probe = add_node(gm.graph, fake_mode, torch.ops.fp8fx.numerics_probe.default, (left, right, ctx.numerics.register(spec)), tag_from=node)
+            args = (left, [right], ctx.numerics.tap_handler, ctx.numerics.register(spec))
+            probe = add_node(gm.graph, fake_mode, torch.ops.fp8fx.tap.default, args, tag_from=node)
         node.replace_input_with(left, probe)
     gm.recompile()
     return PassResult(gm, modified=True)

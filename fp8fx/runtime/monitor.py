@@ -1,17 +1,18 @@
 """The runtime precision monitor: per FP8 cast (site, GEMM role, operand), sampled every N steps,
 the amax, the scale, how many values saturated, underflowed to zero or were not finite.
 
-`fp8fx.backend(monitor_every=N)` puts an `fp8fx::observe(x, scale, key)` between each cast's scale
-and the cast itself. The op returns the scale (so it stays in the graph through partitioning and
-Inductor at the cost of one tiny copy) and, on every N-th call for its key, measures `x` - one
-host sync per sampled cast, none in between. `fp8fx.stats(compiled)` returns the `Monitor`.
+`fp8fx.backend(monitor_every=N)` puts an `fp8fx::tap(scale, [x], monitor, key)` (`fp8fx.ops.taps`)
+between each cast's scale and the cast itself. The tap returns the scale (so it stays in the graph
+through partitioning and Inductor at the cost of one tiny copy) and, on every N-th call for its
+key, the `Monitor` measures `x` - one host sync per sampled cast, none in between.
+`fp8fx.stats(compiled)` returns the `Monitor`.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from torch import Tensor
 
 from fp8fx.core.formats import Fp8Format
 from fp8fx.core.scaling import expand_blocks
+from fp8fx.ops import taps
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,17 @@ class Monitor:
         self.samples: dict[str, list[Sample]] = {}
         self.calls: dict[str, int] = {}
         self.writers: list = []
-        _MONITORS[id(self)] = self
+        self.tap_handler = taps.register(self)  # the `handler` of this monitor's taps
+
+    @staticmethod
+    def tap_key(state_key: str, fmt: Fp8Format, block: list[int]) -> str:
+        """The tap's `key` for one cast: the cast's state key, format and scale blocks."""
+        return f"{fmt.value}|{','.join(map(str, block))}|{state_key}"
+
+    def tap(self, key: str, scale: Tensor, observed: list[Tensor]) -> None:
+        """The tap in front of one cast: `scale` passes through, `observed` is the cast's input."""
+        state_key, fmt, block = _parse_tap_key(key)
+        self.observe(state_key, observed[0], scale, fmt, block)
 
     def observe(self, key: str, x: Tensor, scale: Tensor, fmt: Fp8Format, block: list[int]) -> None:
         step = self.calls.get(key, 0)
@@ -102,7 +114,7 @@ class Monitor:
             }
         return out
 
-    def add_writer(self, writer) -> None:  # noqa: ANN001 - anything with write(Sample)
+    def add_writer(self, writer) -> None:  # anything with write(Sample)
         self.writers.append(writer)
 
 
@@ -141,18 +153,7 @@ class TensorBoardWriter:
         self.writer.close()
 
 
-_MONITORS: weakref.WeakValueDictionary[int, Monitor] = weakref.WeakValueDictionary()
-
-
-@torch.library.custom_op("fp8fx::observe", mutates_args=())
-def observe(x: Tensor, scale: Tensor, monitor: int, key: str, fmt: str, block: list[int]) -> Tensor:
-    """Sample `x` and its `scale` for the monitor with id `monitor`; returns a copy of `scale`."""
-    found = _MONITORS.get(monitor)
-    if found is not None:
-        found.observe(key, x, scale, Fp8Format(fmt), block)
-    return scale.clone()
-
-
-@observe.register_fake
-def _(x: Tensor, scale: Tensor, monitor: int, key: str, fmt: str, block: list[int]) -> Tensor:
-    return torch.empty_like(scale)
+@functools.cache
+def _parse_tap_key(key: str) -> tuple[str, Fp8Format, tuple[int, ...]]:
+    fmt, block, state_key = key.split("|", 2)
+    return state_key, Fp8Format(fmt), tuple(int(b) for b in block.split(",") if b)

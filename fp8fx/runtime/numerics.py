@@ -1,7 +1,8 @@
 """Numerics of an analysis run on real tensors: per GEMM, what its FP8 operands lose.
 
-`insert_probes` puts an `fp8fx::numerics_probe(left, right, key)` in front of every GEMM (before
-the casts are inserted), so the probe sees the high-precision operands the GEMM is given. For the
+`insert_probes` puts a probe, an `fp8fx::tap(left, [right], collector, key)` (`fp8fx.ops.taps`),
+in front of every GEMM (before the casts are inserted), so it sees the high-precision operands the
+GEMM is given; the GEMM takes the tap's copy of `left`. For the
 decision fp8fx made, and as a what-if for every named recipe, the probe quantizes both operands
 exactly as the cast ops do (`fp8fx.ops.reference`) and accumulates, over calibration batches:
 per operand the amax, the scale, the share of non-zero values flushed to zero (underflow) and of
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor
 
 from fp8fx.core.scaling import expand_blocks
-from fp8fx.ops import reference
+from fp8fx.ops import reference, taps
 from fp8fx.runtime.monitor import saturation_threshold
 
 EXACT_DB = 300.0  # SQNR reported when the FP8 product equals the fp64 one (no noise to measure)
@@ -91,18 +92,27 @@ class _Accumulator:
 
 
 class NumericsCollector:
-    """Probe specs and accumulated stats of one analysis run."""
+    """Probe specs and accumulated stats of one analysis run. Its probes record only inside
+    `collecting(collector)`."""
 
     def __init__(self) -> None:
         self.specs: dict[str, ProbeSpec] = {}
         self.chosen: dict[str, _Accumulator] = {}
         self.what_if: dict[tuple[str, str], _Accumulator] = {}
         self.batches: dict[str, int] = {}
+        self.active = 0  # nesting depth of `collecting(self)` blocks
+        self.tap_handler = taps.register(self)  # the `handler` of this collector's probes
 
     def register(self, spec: ProbeSpec) -> str:
+        """A probe's `key` for `spec`."""
         key = f"p{len(self.specs)}"
         self.specs[key] = spec
         return key
+
+    def tap(self, key: str, left: Tensor, observed: list[Tensor]) -> None:
+        """The probe in front of one GEMM: `left` passes through, `observed` is [right]."""
+        if self.active and key in self.specs:
+            self.observe(key, left, observed[0])
 
     def observe(self, key: str, left: Tensor, right: Tensor) -> None:
         spec = self.specs[key]
@@ -172,29 +182,11 @@ def _measure(acc: _Accumulator, decision, left: Tensor, right: Tensor, reference
     acc.noise += float((reference_product - product).square().sum())
 
 
-_ACTIVE: NumericsCollector | None = None
-
-
 @contextlib.contextmanager
 def collecting(collector: NumericsCollector):
-    """Route the probes of compiled code run inside this block to `collector`."""
-    global _ACTIVE
-    previous, _ACTIVE = _ACTIVE, collector
+    """Record what the probes of compiled code run inside this block measure in `collector`."""
+    collector.active += 1
     try:
         yield collector
     finally:
-        _ACTIVE = previous
-
-
-@torch.library.custom_op("fp8fx::numerics_probe", mutates_args=())
-def numerics_probe(left: Tensor, right: Tensor, key: str) -> Tensor:
-    """Measure the GEMM `left @ right` (see the module docstring); returns a copy of `left`, which
-    the GEMM then takes, so the probe stays in the graph through partitioning."""
-    if _ACTIVE is not None and key in _ACTIVE.specs:
-        _ACTIVE.observe(key, left, right)
-    return left.clone()
-
-
-@numerics_probe.register_fake
-def _(left: Tensor, right: Tensor, key: str) -> Tensor:
-    return torch.empty_like(left)
+        collector.active -= 1

@@ -1,15 +1,15 @@
 """Shadow high-precision checks (policy `shadow: {every, tolerance_db, patience}`).
 
-insert_casts puts an `fp8fx::shadow_check(out, left, right, bias, checks, key)` after each FP8
-GEMM: it returns a copy of the FP8 result and, on every `every`-th call, recomputes the product
-in high precision from the same operands and records the SQNR of the FP8 result against it. A
+insert_casts puts an `fp8fx::tap(out, [left, right(, bias)], checks, key)` (`fp8fx.ops.taps`)
+after each FP8 GEMM: it returns a copy of the FP8 result and, on every `every`-th call, the
+`ShadowChecks` recompute the product in high precision from the same operands and record the SQNR
+of the FP8 result against it. A
 GEMM below `tolerance_db` for `patience` consecutive checks is switched to high precision: the
 backend recompiles the graphs that hold it, and the report gives the step and the SQNR as the
 reason (reason kind `shadow`)."""
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from fp8fx.core.policy import Shadow
+from fp8fx.ops import taps
 from fp8fx.runtime.numerics import sqnr_db
 
 
@@ -38,11 +39,17 @@ class ShadowChecks:
         self.switched: list[Check] = []
         self._calls: dict[str, int] = {}
         self._failures: dict[str, int] = {}
-        _CHECKS[id(self)] = self
+        self.tap_handler = taps.register(self)  # the `handler` of the checks' taps
 
     @staticmethod
     def key(site: str, role: str) -> str:
+        """The tap's `key` for one GEMM."""
         return f"{role}|{site}"
+
+    def tap(self, key: str, out: Tensor, observed: list[Tensor]) -> None:
+        """The tap after one FP8 GEMM: its result `out` passes through, `observed` is [left, right(, bias)]."""
+        left, right, *bias = observed
+        self.check(key, out, left, right, bias[0] if bias else None)
 
     def check(self, key: str, out: Tensor, left: Tensor, right: Tensor, bias: Tensor | None) -> None:
         step = self._calls.get(key, 0)
@@ -64,21 +71,3 @@ class ShadowChecks:
                 f"consecutive checks (last {sqnr:.1f} dB at step {step}); switched to high precision"
             )
             self.on_switch(site, role, reason)
-
-
-_CHECKS: weakref.WeakValueDictionary[int, ShadowChecks] = weakref.WeakValueDictionary()
-
-
-@torch.library.custom_op("fp8fx::shadow_check", mutates_args=())
-def shadow_check(out: Tensor, left: Tensor, right: Tensor, bias: Tensor | None, checks: int, key: str) -> Tensor:
-    """Check the FP8 result `out` against `left @ right (+ bias)` for `checks` (see the module
-    docstring); returns a copy of `out`."""
-    found = _CHECKS.get(checks)
-    if found is not None:
-        found.check(key, out, left, right, bias)
-    return out.clone()
-
-
-@shadow_check.register_fake
-def _(out: Tensor, left: Tensor, right: Tensor, bias: Tensor | None, checks: int, key: str) -> Tensor:
-    return torch.empty_like(out)
