@@ -28,9 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 import fp8fx
+from fp8fx.core.patterns import BY_TARGET, OPAQUE
 from fp8fx.passes.find_matmuls import (
-    MATMUL_OPS,
-    OPAQUE_OPS,
     _conv_gemms,
     fused_backward,
     is_conv,
@@ -101,7 +100,7 @@ class CountRows(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in MATMUL_OPS or func in OPAQUE_OPS or func in (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default) \
+        if func in BY_TARGET or func in OPAQUE or func in (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default) \
                 or func.namespace not in ("aten", "prims") or func.__name__.startswith("_scaled_dot_product"):
             self.count += rows(func, args, kwargs, out)
         return out

@@ -28,12 +28,13 @@ def llama_variants() -> list:
     from helpers import tiny_llama
 
     import fp8fx
+    from fp8fx.passes.annotation import annotation
 
     torch.manual_seed(0)
     backend = fp8fx.backend(inner="eager", keep_graphs=True)
     model = torch.compile(tiny_llama(), backend=backend)
     model(torch.randint(0, 256, (2, 16))).logits.sum().backward()
-    return [n.meta["fp8fx"]["variant"] for _, g in backend.kept_graphs for n in g.graph.nodes if n.target == torch.ops.fp8fx.fp8_gemm.default]
+    return [annotation(n).fusion.variant for _, g in backend.kept_graphs for n in g.graph.nodes if n.target == torch.ops.fp8fx.fp8_gemm.default]
 
 
 def problems(r) -> list[str]:

@@ -13,6 +13,7 @@ from helpers import GatedBlock, compile_captured, tiny_llama
 
 from fp8fx.codegen.targets import build_all, coverage_variants
 from fp8fx.codegen.variants import GPU_TARGETS, configs_for
+from fp8fx.passes.annotation import annotation
 
 ROOT = Path(__file__).parent.parent
 
@@ -34,7 +35,7 @@ def model_variants() -> list:
         cap = compile_captured(model)
         out = cap.compiled(x)
         (out if isinstance(out, torch.Tensor) else out.logits).float().sum().backward()
-        variants += [n.meta["fp8fx"]["variant"] for g in cap.forward + cap.backward for n in g.graph.nodes if n.target == torch.ops.fp8fx.fp8_gemm.default]
+        variants += [annotation(n).fusion.variant for g in cap.forward + cap.backward for n in g.graph.nodes if n.target == torch.ops.fp8fx.fp8_gemm.default]
         torch._dynamo.reset()
     return variants
 

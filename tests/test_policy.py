@@ -13,6 +13,7 @@ import fp8fx
 from fp8fx.cli import app
 from fp8fx.core.formats import FormatRecipe
 from fp8fx.core.policy import GEMM_ROLES, GemmPrecisions, Granularity, Policy, PolicyError, Precision, Rule, Scaling, Settings
+from fp8fx.passes.annotation import annotation
 
 FP8, HIGH = Precision.FP8, Precision.HIGH
 
@@ -296,7 +297,7 @@ def test_fast_accum_defaults_merge_and_reach_the_report():
     assert {(op.site, op.role): op.fast_accum for op in ops} == {
         (op.site, op.role): {"output": op.site != "up", "grad_input": True, "grad_weight": False}[op.role] for op in ops
     }
-    variants = [n.meta["fp8fx"]["variant"] for g in cap.forward + cap.backward for n in g.graph.nodes if "variant" in n.meta.get("fp8fx", {})]
+    variants = [a.fusion.variant for g in cap.forward + cap.backward for n in g.graph.nodes if (a := annotation(n)) and a.fusion and a.fusion.variant]
     assert sorted(v.fast_accum for v in variants) == sorted(op.fast_accum for op in ops)
 
 

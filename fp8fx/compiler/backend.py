@@ -26,10 +26,10 @@ import fp8fx.ops  # noqa: F401  (registers the fp8fx::* operators)
 from fp8fx.codegen.dispatch import triton_available
 from fp8fx.codegen.variants import device_target
 from fp8fx.compiler.state import BUFFERS, Fp8State, instance_keys, locate
+from fp8fx.core.patterns import BY_TARGET, OPAQUE
 from fp8fx.core.policy import Policy, as_policy
 from fp8fx.passes import REWRITE_PASSES, PassContext, run_passes
 from fp8fx.passes.annotation import annotations
-from fp8fx.passes.find_matmuls import MATMUL_OPS, OPAQUE_OPS
 from fp8fx.passes.graph_utils import decompose_nodes
 from fp8fx.passes.pipeline import PLANNING_PASSES
 from fp8fx.reporting.records import OpRecord, Report
@@ -137,7 +137,7 @@ FUSABLE_ACTIVATIONS = (torch.ops.aten.gelu.default, torch.ops.aten.silu.default)
 # Ops that reach the FP8 passes whole under Inductor: activations, to fuse them into epilogues, and
 # matrix products, which Inductor's table turns into elementwise code when a dimension is 1 (mv,
 # dot, a GEMM of a single row: products without a row otherwise). The joint pass decomposes what is left of them, as Inductor would have.
-KEPT_WHOLE = (*FUSABLE_ACTIVATIONS, *MATMUL_OPS, *OPAQUE_OPS)
+KEPT_WHOLE = (*FUSABLE_ACTIVATIONS, *BY_TARGET, *OPAQUE)
 
 
 class Fp8fxBackend:

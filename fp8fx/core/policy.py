@@ -19,11 +19,12 @@ from typing import Any
 import yaml
 
 from fp8fx.core.formats import FormatRecipe
+from fp8fx.core.patterns import POLICY_KINDS
 
 GEMM_ROLES = ("output", "grad_input", "grad_weight")
 # TransformerEngine's names for the same three GEMMs.
 TE_GEMM_ALIASES = {"fprop": "output", "dgrad": "grad_input", "wgrad": "grad_weight"}
-OP_KINDS = ("mm", "addmm", "bmm", "baddbmm", "conv_patch")
+OP_KINDS = POLICY_KINDS  # the op kinds `ops` and rules can name
 
 
 class PolicyError(ValueError):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from fp8fx.core.patterns import BY_KIND, BY_TARGET
 from fp8fx.core.policy import GEMM_ROLES, Granularity, Precision, Scaling
 from fp8fx.passes.annotation import Decision, DelayedSpec, GemmAnnotation, ReasonKind, annotate
 from fp8fx.passes.find_matmuls import (
@@ -29,8 +30,6 @@ FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # The operands of each backward GEMM when they cannot be told by identity (one op computing both gradients).
 _CONVENTIONAL_ROLES = {"grad_input": ("grad_output", "weight"), "grad_weight": ("input", "grad_output")}
-# The op kind the policy sees for a site: an addbmm's GEMMs the policy can enable are bmms.
-POLICY_OP = {"addbmm": "bmm"}
 
 
 def _operand_roles(site: MatmulSite, gemm: Gemm) -> tuple[str, str]:
@@ -142,16 +141,14 @@ def decide(site: MatmulSite, gemm: Gemm, ctx: PassContext) -> Decision:
         return high(ReasonKind.CONV, _conv_reason(gemm.node))
     if site.opaque or is_opaque(gemm.node):
         return high(ReasonKind.OPAQUE, _opaque_reason(site, gemm))
-    if gemm.node.target is torch.ops.aten.addbmm.default:
-        return high(
-            ReasonKind.PATTERN,
-            "aten.addbmm sums its batch of products into one matrix, which fp8fx does not rewrite; its backward GEMMs are bmms (policy op kind bmm)",
-        )
+    pattern = BY_TARGET.get(gemm.node.target)
+    if pattern is not None and pattern.rewrite is None:
+        return high(ReasonKind.PATTERN, pattern.high_reason)
     if site.forward is None:
         return high(ReasonKind.UNLINKED, "backward GEMM with no forward matmul to link it to; kept high")
     if (site.name, gemm.role) in ctx.overrides:
         return high(ReasonKind.SHADOW, ctx.overrides[(site.name, gemm.role)])
-    op = POLICY_OP.get(site.op, site.op)
+    op = BY_KIND[site.op].policy_kind
     res = ctx.policy.resolve(site.names, op)
     where = ctx.policy.describe(res)
     if op not in res.settings.ops and not res.forced_fp8:

@@ -2,11 +2,11 @@
 
 Fused attention kernels (SDPA) hold matrix products too; they become sites of op kind `sdpa`,
 so the report accounts for their FLOPs even though they stay in high precision. So do the matrix
-products fp8fx cannot rewrite (`OPAQUE_OPS`, custom ops that look like one: see `is_opaque`):
+products fp8fx cannot rewrite (`fp8fx.core.patterns.OPAQUE`, custom ops that look like one: see `is_opaque`):
 their sites are `opaque` and stay high, with the FLOPs their shapes tell where they tell any.
 
 Works on the joint forward+backward graph of training and on inference graphs alike. Forward
-GEMMs (`MATMUL_OPS`, attention, opaque ops) open a site named by module FQN; backward GEMMs are
+GEMMs (the patterns of `fp8fx.core.patterns`, attention, opaque ops) open a site named by module FQN; backward GEMMs are
 linked to their forward site through `seq_nr` (autograd's sequence number, shared by a forward op
 and the backward ops it produces) and given their role by operand identity. The forward operand
 computed from parameters alone (`parameter_derived`) is the site's weight, on either side
@@ -34,43 +34,11 @@ import torch
 from torch import fx
 from torch._ops import OpOverload
 
+from fp8fx.core.patterns import BY_TARGET, GROUPED, OPAQUE
 from fp8fx.passes.graph_utils import PassContext, PassResult, strip_layout
 
 aten = torch.ops.aten
 
-MATMUL_OPS = {
-    aten.mm.default: "mm",
-    aten.addmm.default: "addmm",
-    aten.bmm.default: "bmm",
-    aten.baddbmm.default: "baddbmm",
-    aten.addbmm.default: "addbmm",  # bias + the sum of a batch of products: its backward GEMMs are bmms
-}
-_ADDED_TERM_FIRST = (aten.addmm.default, aten.baddbmm.default, aten.addbmm.default)
-
-# Matrix products in ATen graphs that fp8fx does not rewrite, and the position of their left
-# operand (the right one follows it). Each output element is a dot product over the left
-# operand's last dimension K, so FLOPs = 2 * K * output elements; a grouped GEMM of two 2-D
-# operands splits K into groups, one output matrix per group, so its FLOPs are 2 * K * M * N.
-# Grouped GEMMs count every row (column) as covered by their data-dependent offsets, an upper
-# bound that MoE routing meets. CompositeImplicitAutograd ops (linear, matmul, einsum, ...)
-# are not listed: they never reach an ATen graph, which holds their mm/bmm instead; convolutions
-# are sites of their own (`CONV_OPS`).
-OPAQUE_OPS = {
-    aten.mv.default: 0,
-    aten.addmv.default: 1,
-    aten.dot.default: 0,
-    aten.vdot.default: 0,
-    aten._addmm_activation.default: 1,
-    aten._int_mm.default: 0,
-    aten._scaled_mm.default: 0,
-    aten._grouped_mm.default: 0,
-    aten._scaled_grouped_mm.default: 0,
-    aten._weight_int8pack_mm.default: 0,
-    aten._weight_int4pack_mm.default: 0,
-    aten._weight_int4pack_mm_for_cpu.default: 0,
-    aten._dyn_quant_matmul_4bit.default: 0,
-}
-_GROUPED = (aten._grouped_mm.default, aten._scaled_grouped_mm.default)
 # Custom ops whose products are known: the ATen op each one computes like, and ops computing
 # both gradients of such a forward op at once, from (input, weight, offsets, grad_output).
 _CUSTOM_LIKE = {"transformers::grouped_mm_fallback": aten._grouped_mm.default}
@@ -179,7 +147,7 @@ def fused_backward(node: fx.Node) -> bool:
 
 def grouped(node: fx.Node) -> bool:
     """A grouped GEMM, whose FLOPs assume its data-dependent offsets cover every row."""
-    return _CUSTOM_LIKE.get(custom_op_name(node), node.target) in _GROUPED or fused_backward(node)
+    return _CUSTOM_LIKE.get(custom_op_name(node), node.target) in GROUPED or fused_backward(node)
 
 
 def describe_call(node: fx.Node) -> str:
@@ -195,7 +163,7 @@ def describe_call(node: fx.Node) -> str:
 
 
 def is_opaque(node: fx.Node) -> bool:
-    """A matrix product fp8fx cannot rewrite: an op of `OPAQUE_OPS`, or a custom operator (not in
+    """A matrix product fp8fx cannot rewrite: an op of `OPAQUE`, or a custom operator (not in
     aten, prims or fp8fx) that takes at least two tensors of rank >= 2 and returns a floating-point
     tensor of rank >= 2 that not all of them broadcast to. That last condition leaves out ops shaped
     like elementwise ones (fused norms, activations, residual adds), which shapes cannot tell apart
@@ -203,7 +171,7 @@ def is_opaque(node: fx.Node) -> bool:
     those are not reported."""
     if node.op != "call_function":
         return False
-    if node.target in OPAQUE_OPS:
+    if node.target in OPAQUE:
         return True
     if custom_op_name(node) is None:
         return False
@@ -222,16 +190,17 @@ def _broadcast_shape(a: torch.Size, b: torch.Size) -> tuple | None:
 
 
 def is_matrix_product(node: fx.Node) -> bool:
-    """A node that becomes a site: a GEMM of `MATMUL_OPS`, fused attention, an opaque product or a convolution."""
-    return node.op == "call_function" and (node.target in MATMUL_OPS or is_attention(node) or is_opaque(node) or is_conv(node))
+    """A node that becomes a site: a GEMM pattern, fused attention, an opaque product or a convolution."""
+    return node.op == "call_function" and (node.target in BY_TARGET or is_attention(node) or is_opaque(node) or is_conv(node))
 
 
 def matmul_operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
     """(left, right, added term) of a matmul node; for an opaque op, its first two operands."""
-    if node.target in _ADDED_TERM_FIRST:
-        return node.args[1], node.args[2], node.args[0]
-    if node.target in OPAQUE_OPS:
-        i = OPAQUE_OPS[node.target]
+    pattern = BY_TARGET.get(node.target)
+    if pattern is not None:
+        return node.args[pattern.left], node.args[pattern.right], node.args[pattern.added] if pattern.added is not None else None
+    if node.target in OPAQUE:
+        i = OPAQUE[node.target]
         return node.args[i], node.args[i + 1], None
     if custom_op_name(node) is not None:
         left, right = _matrix_args(node)[:2]
@@ -274,7 +243,7 @@ class MatmulSite:
 
     name: str
     fqn: str
-    op: str  # a MATMUL_OPS kind, "sdpa", "conv", or an opaque op's name ("_grouped_mm", "ns::name")
+    op: str  # a pattern kind (fp8fx.core.patterns), "sdpa", "conv", or an opaque op's name ("_grouped_mm", "ns::name")
     gemms: dict[str, Gemm] = field(default_factory=dict)
     source: str = ""  # "file:line" of the user's code
     opaque: bool = False  # a matrix product fp8fx cannot rewrite (see is_opaque)
@@ -327,16 +296,16 @@ def _dims(node: fx.Node) -> tuple:
 
 
 def _opaque_dims(node: fx.Node) -> tuple:
-    """(M, N, K, batch) of an opaque op from its left operand and its output (see OPAQUE_OPS)."""
+    """(M, N, K, batch) of an opaque op from its left operand and its output (see `OPAQUE`)."""
     target = _CUSTOM_LIKE.get(custom_op_name(node), node.target)
-    if target not in OPAQUE_OPS:
+    if target not in OPAQUE:
         return None, None, None, None
     left, right, _ = matmul_operands(node)
     a, b, out = _tensor(left), _tensor(right), _outputs(node)[0]
     k = a.shape[-1] if a.dim() else 1
     shape = tuple(out.shape)
     m, n = (shape + (1, 1))[:2] if len(shape) < 2 else shape[-2:]
-    batch = 1 if target in _GROUPED and a.dim() == b.dim() == 2 else math.prod(shape[:-2])
+    batch = 1 if target in GROUPED and a.dim() == b.dim() == 2 else math.prod(shape[:-2])
     return m, n, k, batch
 
 
@@ -446,8 +415,8 @@ def _op_kind(node: fx.Node, lowered: dict[fx.Node, str]) -> str:
         return "conv"
     if node in lowered:  # a patch convolution as a GEMM (see lower_patch_convs)
         return lowered[node]
-    if node.target in MATMUL_OPS:
-        return MATMUL_OPS[node.target]
+    if node.target in BY_TARGET:
+        return BY_TARGET[node.target].kind
     return custom_op_name(node) or node.target.overloadpacket.__name__
 
 

@@ -37,6 +37,7 @@ from torch import Tensor, fx, nn
 
 from fp8fx.compiler.state import state_for, state_key
 from fp8fx.core.formats import Fp8Format
+from fp8fx.core.patterns import BY_KIND
 from fp8fx.core.policy import Granularity, Policy
 from fp8fx.ops import reference
 from fp8fx.passes.annotation import annotation
@@ -80,35 +81,7 @@ class ExportResult:
 
 
 # ----------------------------------------------------------------------------- ops in the graph
-
-
-@torch.library.custom_op("fp8fx::export_qdq", mutates_args=())
-def export_qdq(x: Tensor, scale_inv: Tensor, fmt: str) -> Tensor:
-    """Static per-tensor quantize -> dequantize (ONNX: QuantizeLinear, DequantizeLinear)."""
-    f = Fp8Format(fmt)
-    return reference.cast(x, scale_inv.float().reciprocal(), f.dtype, []).to(x.dtype) * scale_inv
-
-
-@export_qdq.register_fake
-def _(x: Tensor, scale_inv: Tensor, fmt: str) -> Tensor:
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("fp8fx::export_dequantize", mutates_args=())
-def export_dequantize(w: Tensor, scale_inv: Tensor, axis: int, block_size: int) -> Tensor:
-    """FP8 weight times its scale_inv, in the scale's dtype: per tensor, per `axis`, or in blocks of
-    `block_size` along `axis`."""
-    w = w.to(scale_inv.dtype)
-    if scale_inv.dim() == 0:
-        return w * scale_inv
-    if block_size:
-        return w * scale_inv.repeat_interleave(block_size, dim=axis).narrow(axis, 0, w.shape[axis])
-    return w * scale_inv.reshape([-1 if d == axis else 1 for d in range(w.dim())])
-
-
-@export_dequantize.register_fake
-def _(w: Tensor, scale_inv: Tensor, axis: int, block_size: int) -> Tensor:
-    return torch.empty(w.shape, dtype=scale_inv.dtype, device=w.device)
+# fp8fx::export_qdq and fp8fx::export_dequantize (fp8fx.ops.export), as ONNX.
 
 
 def _onnx_translations(opset: int) -> dict:
@@ -208,7 +181,7 @@ def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, calibration: 
         sites.append(SiteExport(site.name, decision.precision.value))
         gemm_names[site.name] = gemm.node.name
         if decision.fp8:
-            if site.op not in ("mm", "addmm"):
+            if not BY_KIND[site.op].exportable:
                 raise ExportError(f"site {site.name}: FP8 {site.op} cannot be exported (ONNX QDQ export takes mm/addmm with a weight); keep it high with a policy rule")
             fp8.append((site.name, gemm.node, decision))
     recorder = _AmaxRecorder(gm, {matmul_operands(node)[0] for _, node, _ in fp8})

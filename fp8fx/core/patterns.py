@@ -1,0 +1,81 @@
+"""The matrix products fp8fx knows, as data: one row per pattern.
+
+A row says where an op's operands are, how its dimensions are read, whether a policy can enable
+it for FP8 and under which op kind, and whether ONNX export can write it. `find_matmuls`,
+`assign_precision`, `verify`, the policy's op kinds, analysis, export and the backend's list of
+ops kept whole through decomposition all read this table; a new GEMM form is a new row (plus,
+for an FP8 form, its lowering).
+
+Dimensions: the left operand is [batch?, M, K], the right [batch?, K, N]; `batched` rows have the
+leading batch dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch._ops import OpOverload
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class GemmPattern:
+    kind: str  # the op kind reports and policy rules use
+    target: OpOverload | None  # the ATen op (None: a kind made by an fp8fx lowering, or a family matched by predicate)
+    left: int = 0  # argument positions of the left and right operand, and of the added term (None: none)
+    right: int = 1
+    added: int | None = None
+    batched: bool = False
+    policy_kind: str | None = None  # the op kind a policy enables it under (None: a policy cannot)
+    rewrite: str | None = "scaled_mm"  # how an FP8 decision is lowered (None: it always stays high)
+    exportable: bool = False  # ONNX QDQ export writes it in FP8 (a weight on the right)
+    high_reason: str = ""  # why a pattern that is never rewritten stays high
+
+
+_ADDBMM = "aten.addbmm sums its batch of products into one matrix, which fp8fx does not rewrite; its backward GEMMs are bmms (policy op kind bmm)"
+
+PATTERNS: tuple[GemmPattern, ...] = (
+    GemmPattern("mm", aten.mm.default, policy_kind="mm", exportable=True),
+    GemmPattern("addmm", aten.addmm.default, 1, 2, added=0, policy_kind="addmm", exportable=True),
+    GemmPattern("bmm", aten.bmm.default, batched=True, policy_kind="bmm"),
+    GemmPattern("baddbmm", aten.baddbmm.default, 1, 2, added=0, batched=True, policy_kind="baddbmm"),
+    # Bias plus the sum of a batch of products: the forward stays high, its backward GEMMs are bmms.
+    GemmPattern("addbmm", aten.addbmm.default, 1, 2, added=0, batched=True, policy_kind="bmm", rewrite=None, high_reason=_ADDBMM),
+    # A patch convolution lowered to a GEMM (fp8fx.passes.lower_patch_convs): mm / addmm nodes.
+    GemmPattern("conv_patch", None, policy_kind="conv_patch"),
+    # Fused attention kernels (every _scaled_dot_product_* op): high, their FLOPs reported.
+    GemmPattern("sdpa", None, rewrite=None),
+    # Convolutions and their backward: high, as implicit GEMMs (see find_matmuls).
+    GemmPattern("conv", aten.convolution.default, rewrite=None),
+)
+
+BY_TARGET: dict[OpOverload, GemmPattern] = {p.target: p for p in PATTERNS if p.target is not None and p.kind != "conv"}
+BY_KIND: dict[str, GemmPattern] = {p.kind: p for p in PATTERNS}
+# The op kinds a policy's `ops` and rules can name.
+POLICY_KINDS: tuple[str, ...] = tuple(dict.fromkeys(p.policy_kind for p in PATTERNS if p.policy_kind))
+
+# Matrix products fp8fx does not rewrite, and the position of their left operand (the right one
+# follows it). Each output element is a dot product over the left operand's last dimension K, so
+# FLOPs = 2 * K * output elements; a grouped GEMM of two 2-D operands splits K into groups, one
+# output matrix per group, so its FLOPs are 2 * K * M * N. Grouped GEMMs count every row (column)
+# as covered by their data-dependent offsets, an upper bound that MoE routing meets.
+# CompositeImplicitAutograd ops (linear, matmul, einsum, ...) are not listed: they never reach an
+# ATen graph, which holds their mm/bmm instead.
+OPAQUE: dict[OpOverload, int] = {
+    aten.mv.default: 0,
+    aten.addmv.default: 1,
+    aten.dot.default: 0,
+    aten.vdot.default: 0,
+    aten._addmm_activation.default: 1,
+    aten._int_mm.default: 0,
+    aten._scaled_mm.default: 0,
+    aten._grouped_mm.default: 0,
+    aten._scaled_grouped_mm.default: 0,
+    aten._weight_int8pack_mm.default: 0,
+    aten._weight_int4pack_mm.default: 0,
+    aten._weight_int4pack_mm_for_cpu.default: 0,
+    aten._dyn_quant_matmul_4bit.default: 0,
+}
+GROUPED = (aten._grouped_mm.default, aten._scaled_grouped_mm.default)
