@@ -24,9 +24,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fp8fx.core.formats import Fp8Format
-from fp8fx.core.policy import Granularity, Level, Policy, Precision, Scaling, as_policy
+from fp8fx.core.policy import Granularity, Level, Policy, Scaling, as_policy
 from fp8fx.ops import reference
-from fp8fx.passes.assign_precision import ALIGN
+from fp8fx.passes.annotation import ReasonKind
+from fp8fx.passes.assign_precision import ALIGN, policy_decision
 from fp8fx.runtime.optim import Fp8AdamW
 
 # Ops FSDP2 uses to shard, pad and copy a parameter: their results stay wrapped. Everything else
@@ -128,22 +129,26 @@ class AllGatherDecision:
 
 
 def _fp8_all_gather_problem(policy: Policy, name: str, module: nn.Linear) -> tuple[str | None, AllGatherScaling | None]:
-    op = "addmm" if module.bias is not None else "mm"
-    res = policy.resolve((name,), op)
-    where = policy.describe(res)
-    s = res.settings
-    if op not in s.ops and not res.forced_fp8:
-        return f"op {op} is not in defaults.ops", None
-    high = [role for role in ("output", "grad_input") if s.gemms[role] is Precision.HIGH]
+    """Why the linear's weight cannot be gathered in FP8, or how it is cast: from the decisions the
+    passes will make for the two GEMMs that read the weight (`policy_decision`)."""
+    kind = "addmm" if module.bias is not None else "mm"
+    out_features, in_features = module.weight.shape
+    reads = {"output": ("input", "weight"), "grad_input": ("grad_output", "weight")}
+    decisions = {role: policy_decision(policy, (name,), kind, role, roles, (out_features, in_features)) for role, roles in reads.items()}
+    out = decisions["output"]
+    if any(d.reason_kind is ReasonKind.OP_KIND for d in decisions.values()):
+        return out.reason, None
+    high = [role for role, d in decisions.items() if d.reason_kind is ReasonKind.POLICY and not d.fp8]
     if high:  # a high-precision GEMM must see the weight itself, not its FP8 rounding
+        where = decisions[high[0]].source
         return f"{where}: the weight's {' and '.join(high)} {'GEMMs run' if len(high) > 1 else 'GEMM runs'} in high precision", None
-    if any(dim % ALIGN for dim in module.weight.shape):
+    if any(d.reason_kind is ReasonKind.SHAPE for d in decisions.values()):
         return f"weight shape {tuple(module.weight.shape)} is not a multiple of {ALIGN}: its GEMMs stay high", None
-    if s.scaling is not Scaling.DYNAMIC:
-        return f"{where}: {s.scaling.value} scaling casts with the scale of its amax history, not the weight's own amax", None
-    if s.granularity is not Granularity.TENSORWISE:
-        return f"{where}: {s.granularity.value} weight scales would quantize the gathered FP8 weight a second time", None
-    return None, AllGatherScaling(s.format.operand_format("weight"), s.margin, s.power_of_two_scales)
+    if out.scaling is not Scaling.DYNAMIC:
+        return f"{out.source}: {out.scaling.value} scaling casts with the scale of its amax history, not the weight's own amax", None
+    if out.granularity is not Granularity.TENSORWISE:
+        return f"{out.source}: {out.granularity.value} weight scales would quantize the gathered FP8 weight a second time", None
+    return None, AllGatherScaling(out.formats[1], out.margin, out.power_of_two)
 
 
 def enable_fp8_all_gather(model: nn.Module, policy: Policy | str | Path | None = None) -> list[AllGatherDecision]:

@@ -61,6 +61,7 @@ class Decision:
     margin: int = 0
     delayed: DelayedSpec | None = None  # set when scaling is delayed
     fast_accum: bool = False  # Hopper's unpromoted FP8 accumulator for the whole K loop (policy fast_accum)
+    source: str = ""  # the policy's part that settled it: "defaults", "rules[1] (match 'layers.0')"; "" when no rule could
 
     @property
     def fp8(self) -> bool:

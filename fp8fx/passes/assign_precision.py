@@ -4,11 +4,13 @@ Writes each GEMM's `GemmAnnotation` only; the graph is unchanged (annotate, then
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import fx
 
 from fp8fx.core.patterns import BY_KIND, BY_TARGET
-from fp8fx.core.policy import GEMM_ROLES, Granularity, Precision, Scaling
+from fp8fx.core.policy import GEMM_ROLES, Granularity, Policy, Precision, Scaling
 from fp8fx.passes.annotation import Decision, DelayedSpec, GemmAnnotation, ReasonKind, annotate
 from fp8fx.passes.find_matmuls import (
     Gemm,
@@ -72,9 +74,8 @@ def operand_blocks(granularity: Granularity, roles: tuple[str, str]) -> tuple[tu
     return left, right
 
 
-def _shape_problem(site: MatmulSite) -> str | None:
-    ref = site.forward or next(iter(site.gemms.values()))
-    for dim_name, dim in (("N", ref.n), ("K", ref.k)):
+def _shape_problem(n, k) -> str | None:
+    for dim_name, dim in (("N", n), ("K", k)):
         if not isinstance(dim, int):
             return f"{dim_name}={dim} is dynamic; FP8 needs a static {dim_name} that is a multiple of {ALIGN}"
         if dim % ALIGN:
@@ -148,19 +149,32 @@ def decide(site: MatmulSite, gemm: Gemm, ctx: PassContext) -> Decision:
         return high(ReasonKind.UNLINKED, "backward GEMM with no forward matmul to link it to; kept high")
     if (site.name, gemm.role) in ctx.overrides:
         return high(ReasonKind.SHADOW, ctx.overrides[(site.name, gemm.role)])
-    op = BY_KIND[site.op].policy_kind
-    res = ctx.policy.resolve(site.names, op)
-    where = ctx.policy.describe(res)
+    dims = (site.forward.n, site.forward.k)
+    return policy_decision(ctx.policy, site.names, site.op, gemm.role, roles, dims, lambda: _operand_problem(gemm.node))
+
+
+def policy_decision(policy: Policy, names: tuple[str, ...], kind: str, role: str, roles: tuple[str, str], dims: tuple,
+                    operand_problem: Callable[[], tuple[ReasonKind, str] | None] = lambda: None) -> Decision:  # fmt: skip
+    """The policy's decision for one GEMM of a pattern fp8fx rewrites: site `names`, pattern `kind`,
+    GEMM `role`, operand `roles` and the forward GEMM's (N, K). The one place a policy is turned
+    into a decision: the passes and the FP8 all-gather (fp8fx.distributed) both call it."""
+
+    def high(reason_kind: ReasonKind, reason: str) -> Decision:
+        return Decision(Precision.HIGH, reason_kind, reason, roles, source=where)
+
+    op = BY_KIND[kind].policy_kind
+    res = policy.resolve(names, op)
+    where = policy.describe(res)
     if op not in res.settings.ops and not res.forced_fp8:
         ops = ", ".join(res.settings.ops)
-        kind = op if op == site.op else f"{op} ({site.op}'s backward GEMMs)"
-        return high(ReasonKind.OP_KIND, f"op {kind} is not in defaults.ops [{ops}]; a rule with precision: fp8 enables it")
-    if res.settings.gemms[gemm.role] is Precision.HIGH:
-        return high(ReasonKind.POLICY, f"{res.gemm_sources[gemm.role]}: high")
-    problem = _shape_problem(site)
+        shown = op if op == kind else f"{op} ({kind}'s backward GEMMs)"
+        return high(ReasonKind.OP_KIND, f"op {shown} is not in defaults.ops [{ops}]; a rule with precision: fp8 enables it")
+    if res.settings.gemms[role] is Precision.HIGH:
+        return high(ReasonKind.POLICY, f"{res.gemm_sources[role]}: high")
+    problem = _shape_problem(*dims)
     if problem:
         return high(ReasonKind.SHAPE, problem)
-    problem = _operand_problem(gemm.node)
+    problem = operand_problem()
     if problem:
         return high(*problem)
     settings = res.settings
@@ -175,12 +189,13 @@ def decide(site: MatmulSite, gemm: Gemm, ctx: PassContext) -> Decision:
         blocks=operand_blocks(settings.granularity, roles),
         power_of_two=settings.power_of_two_scales,
         margin=settings.margin,
-        fast_accum=settings.fast_accum[gemm.role],
+        fast_accum=settings.fast_accum[role],
         delayed=(
             DelayedSpec(settings.amax_history_len, settings.amax_compute_algo, settings.interval)
             if settings.scaling is Scaling.DELAYED
             else None
         ),
+        source=where,
     )
 
 

@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from fp8fx.compiler.backend import backend as make_backend
 from fp8fx.compiler.backend import report as report_of
 from fp8fx.compiler.state import prepare
-from fp8fx.core.policy import OP_KINDS as POLICY_OP_KINDS
+from fp8fx.core.patterns import BY_KIND, POLICY_KINDS
 from fp8fx.core.policy import Policy, Rule
 from fp8fx.reporting.records import Report, has_values
 from fp8fx.runtime.numerics import NumericsCollector, collecting
@@ -176,7 +176,7 @@ def _default_loss(output: Any) -> torch.Tensor:
     raise ModelFileError(f"cannot make a loss from the model's output ({type(output).__name__}); define loss_fn(output) in the model file")
 
 
-OP_KINDS = (*POLICY_OP_KINDS, "sdpa")  # every op kind a policy rule can name, and attention
+OP_KINDS = (*POLICY_KINDS, "sdpa")  # every op kind a policy rule can name, and attention
 
 
 def _structure(module: nn.Module) -> tuple:
@@ -207,6 +207,20 @@ def _foldable_blocks(model: nn.Module, policy: Policy) -> list[tuple[str, nn.Mod
             parent_name, _, attr = name.rpartition(".")
             found.append((name, model.get_submodule(parent_name), attr, module))
     return found
+
+
+def _same_rule(policy: Policy, op, copy) -> bool:
+    """Whether the policy settles the copied record's GEMM by the same rule as the traced one's.
+    Rules see a site by its name and its module path (see `MatmulSite.names`)."""
+    kind = BY_KIND[op.op].policy_kind if op.op in BY_KIND else None
+    if kind is None:
+        return True  # attention, convolutions, opaque ops: no rule decides them
+
+    def settled(record) -> tuple:
+        res = policy.resolve(tuple(dict.fromkeys((record.site, record.fqn))), kind)
+        return res.rule_index, res.settings, res.forced_fp8
+
+    return settled(op) == settled(copy)
 
 
 def _renamed(op, prefix: str, new_prefix: str):
@@ -362,12 +376,17 @@ def _traced(model, example_inputs, policy, train, loss_fn, fold_repeated, progre
             return []
         return [f"{name}.{i}" + fqn[len(first) :] for i in range(1, len(blocks))]
 
-    ops = []
+    ops, pairs = [], []
     for op in report.ops:
         ops.append(op)
         for name, _, _, blocks in folded:
             if copies(name, blocks, op.fqn):
-                ops += [_renamed(op, f"{name}.0", f"{name}.{i}") for i in range(1, len(blocks))]
+                copied = [_renamed(op, f"{name}.0", f"{name}.{i}") for i in range(1, len(blocks))]
+                ops += copied
+                pairs += [(op, c) for c in copied]
+    if any(not _same_rule(policy, op, copy) for op, copy in pairs):
+        # A rule names a site in a later block (`layers.1:mm#1`): its GEMMs differ from block 0's.
+        return _traced(model, example_inputs, policy, train, loss_fn, False, progress, stage)
 
     def unfolded(per_fqn: dict[str, int]) -> dict[str, int]:
         out = dict(per_fqn)
