@@ -188,7 +188,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("--steps", 1000), ("--seeds", 3), ("--layers", 4), ("--dim", 256), ("--heads", 4), ("--seq", 128), ("--batch", 32), ("--eval-every", 100), ("--eval-batches", 8)):
         ap.add_argument(flag, type=int, default=default)
-    runs = ["fp32", "bf16", *(f"fp8fx-{r}" for r in fp8fx.core.policy.RECIPES), "torchao-emulate"]
+    runs = ["fp32", "bf16", *(f"fp8fx-{r}" for r in fp8fx.core.recipes.RECIPES), "torchao-emulate"]
     ap.add_argument("--runs", default=",".join(runs), help="comma-separated subset of: " + ", ".join(runs))
     ap.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     ap.add_argument("--csv", default="convergence.csv", help="file name of this invocation's CSV in --out-dir")

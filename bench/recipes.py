@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import fp8fx
-from fp8fx.core.policy import RECIPES
+from fp8fx.core.recipes import RECIPES
 from fp8fx.tools.demo import TinyTransformer
 
 TORCHAO_RECIPE = {"tensorwise": "tensorwise", "rowwise": "rowwise", "rowwise_gw_hp": "rowwise_with_gw_hp"}

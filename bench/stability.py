@@ -105,7 +105,7 @@ def main() -> None:
     for flag, default in (("--steps", 300), ("--layers", 2), ("--dim", 64), ("--heads", 2), ("--seq", 32), ("--batch", 8), ("--shadow-every", 5)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--lrs", default="1e-3,3e-3,1e-2,3e-2,1e-1")
-    ap.add_argument("--recipes", default=",".join(fp8fx.core.policy.RECIPES))
+    ap.add_argument("--recipes", default=",".join(fp8fx.core.recipes.RECIPES))
     ap.add_argument("--tolerance-db", type=float, default=15.0)
     ap.add_argument("--blowup", type=float, default=0.5, help="nats above the best 20-step mean loss that count as diverged")
     ap.add_argument("--out-dir", type=Path, default=Path("bench/results"))

@@ -24,7 +24,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fp8fx.core.formats import Fp8Format
-from fp8fx.core.policy import Granularity, Level, Policy, Scaling, as_policy
+from fp8fx.core.policy import Policy, as_policy
+from fp8fx.core.recipes import Granularity, Level, Scaling
 from fp8fx.ops import reference
 from fp8fx.passes.annotation import ReasonKind
 from fp8fx.passes.assign_precision import ALIGN, policy_decision

@@ -98,10 +98,10 @@ def test_bad_format_and_both_policy_sources(tmp_path):
 def test_recipes_lists_every_recipe():
     result = run("recipes")
     assert result.exit_code == 0
-    assert [line.split()[0] for line in result.output.splitlines()] == list(fp8fx.core.policy.RECIPES)
+    assert [line.split()[0] for line in result.output.splitlines()] == list(fp8fx.core.recipes.RECIPES)
 
 
-@pytest.mark.parametrize("recipe", list(fp8fx.core.policy.RECIPES))
+@pytest.mark.parametrize("recipe", list(fp8fx.core.recipes.RECIPES))
 def test_policy_init_writes_a_valid_policy(tmp_path, recipe):
     out = tmp_path / "policy.yaml"
     assert run("policy", "init", out, "--recipe", recipe).exit_code == 0
@@ -176,7 +176,7 @@ def test_numerics_from_calibration_data_in_json(tmp_path):
     linear = [op for op in data["ops"] if op["op"] in ("mm", "addmm")]
     fp8 = [op for op in linear if op["precision"] == "fp8"]
     assert fp8 and all(op["numerics"]["sqnr_db"] > 10 and len(op["numerics"]["operands"]) == 2 for op in fp8)
-    assert all(set(op["numerics"]["what_if"]) == set(fp8fx.core.policy.RECIPES) for op in linear)
+    assert all(set(op["numerics"]["what_if"]) == set(fp8fx.core.recipes.RECIPES) for op in linear)
 
 
 def test_suggest_policy_from_numerics_writes_a_valid_policy(tmp_path):

@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8fx
-from fp8fx.core.policy import RECIPES
+from fp8fx.core.recipes import RECIPES
 
 aten = torch.ops.aten
 GEMM_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.addbmm.default,

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 import fp8fx
 from fp8fx.cli import app
 from fp8fx.core.formats import FormatRecipe
-from fp8fx.core.policy import GEMM_ROLES, GemmPrecisions, Granularity, Policy, PolicyError, Precision, Rule, Scaling, Settings
+from fp8fx.core.policy import GemmPrecisions, Policy, PolicyError, Rule, Settings
+from fp8fx.core.recipes import GEMM_ROLES, Granularity, Precision, Scaling
 from fp8fx.passes.annotation import annotation
 
 FP8, HIGH = Precision.FP8, Precision.HIGH
@@ -277,7 +278,7 @@ def test_cli_validate_bad(tmp_path, text, expected):
 @pytest.mark.parametrize("spelling", ["O2", "o2"])
 def test_precision_level_is_a_top_level_key(spelling):
     policy = fp8fx.policy_from_yaml(f"version: 1\nlevel: {spelling}\n")
-    assert policy.level is fp8fx.core.policy.Level.O2 and policy.to_dict()["level"] == "O2"
+    assert policy.level is fp8fx.core.recipes.Level.O2 and policy.to_dict()["level"] == "O2"
     assert fp8fx.policy_from_yaml("version: 1\n").level is None
 
 

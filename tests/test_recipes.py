@@ -17,7 +17,7 @@ from torch import nn
 import fp8fx
 from fp8fx import Policy, ops
 from fp8fx.core.formats import Fp8Format
-from fp8fx.core.policy import RECIPES
+from fp8fx.core.recipes import RECIPES
 from fp8fx.core.scaling import block_amax
 from fp8fx.tools.demo import TinyTransformer
 

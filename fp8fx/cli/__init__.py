@@ -362,7 +362,7 @@ def bisect(
 @app.command()
 def recipes() -> None:
     """List the named recipes and the settings each one sets."""
-    from fp8fx.core.policy import RECIPES
+    from fp8fx.core.recipes import RECIPES
 
     for name, settings in RECIPES.items():
         typer.echo(f"{name:14s} " + " ".join(f"{k}={v}" for k, v in settings.items()))

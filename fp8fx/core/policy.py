@@ -20,8 +20,8 @@ import yaml
 
 from fp8fx.core.formats import FormatRecipe
 from fp8fx.core.patterns import POLICY_KINDS
+from fp8fx.core.recipes import GEMM_ROLES, RECIPES, AmaxComputeAlgo, Granularity, Level, Precision, Scaling
 
-GEMM_ROLES = ("output", "grad_input", "grad_weight")
 # TransformerEngine's names for the same three GEMMs.
 TE_GEMM_ALIASES = {"fprop": "output", "dgrad": "grad_input", "wgrad": "grad_weight"}
 OP_KINDS = POLICY_KINDS  # the op kinds `ops` and rules can name
@@ -34,43 +34,6 @@ class PolicyError(ValueError):
         self.key_path, self.message, self.source, self.line = key_path, message, source, line
         where = f"{source}:{line}: " if source and line else (f"{source}: " if source else "")
         super().__init__(f"{where}{key_path}: {message}")
-
-
-class Precision(str, Enum):
-    FP8 = "fp8"
-    HIGH = "high"
-
-
-class Scaling(str, Enum):
-    """dynamic: the scale comes from this tensor's amax (TE's current scaling). delayed: from an
-    amax history of past steps (TE's DelayedScaling), kept as state in the model."""
-
-    DYNAMIC = "dynamic"
-    DELAYED = "delayed"
-
-
-class AmaxComputeAlgo(str, Enum):
-    MAX = "max"
-    MOST_RECENT = "most_recent"
-
-
-class Level(str, Enum):
-    """MS-AMP's precision levels for data-parallel training (fp8fx.distributed): O1 reduces weight
-    gradients in FP8 and computes with FP16 weights; O2 adds AdamW with an FP8 first and an FP16
-    second moment; O3 adds FP8 weight all-gather and FP16 master weights (FSDP2 only)."""
-
-    O1 = "O1"
-    O2 = "O2"
-    O3 = "O3"
-
-
-class Granularity(str, Enum):
-    """One scale per tensor; per row/column along the contraction dim (torchao's axiswise); or
-    DeepSeek-V3's blocks (1x128 activations and gradients, 128x128 weights)."""
-
-    TENSORWISE = "tensorwise"
-    ROWWISE = "rowwise"
-    BLOCKWISE = "blockwise"
 
 
 def _enum(enum_type: type[Enum], value: Any, key_path: str) -> Any:
@@ -273,23 +236,6 @@ def _fast_accum_overrides(value: Any, key_path: str) -> dict[str, bool]:
 
 # Settings a rule may set directly (all but `gemms` and `fast_accum`, which merge, and `ops`).
 _RULE_SETTINGS = ("format", "granularity", "power_of_two_scales", "scaling", "margin", "amax_history_len", "amax_compute_algo", "interval")
-
-# Named recipes: what each expands to, and whose recipe it reproduces.
-RECIPES: dict[str, dict[str, Any]] = {
-    # torchao "tensorwise"; TE Float8CurrentScaling (HYBRID)
-    "tensorwise": {"format": "hybrid", "granularity": "tensorwise"},
-    # torchao "rowwise": E4M3 everywhere, axiswise scales rounded down to powers of two
-    "rowwise": {"format": "e4m3", "granularity": "rowwise", "power_of_two_scales": True},
-    # torchao "rowwise_with_gw_hp": rowwise, grad_weight GEMM in high precision
-    "rowwise_gw_hp": {"format": "e4m3", "granularity": "rowwise", "power_of_two_scales": True, "gemms": {"grad_weight": "high"}},
-    # DeepSeek-V3 / TE Float8BlockScaling: E4M3, 1x128 activation tiles, 128x128 weight blocks
-    "blockwise": {"format": "e4m3", "granularity": "blockwise"},
-    # TE DelayedScaling defaults: HYBRID, amax history 1024, algo max, margin 0
-    "delayed": {"format": "hybrid", "scaling": "delayed", "amax_history_len": 1024, "amax_compute_algo": "max"},
-    # Megatron-LM defaults: amax history 1, most recent amax
-    "megatron": {"format": "hybrid", "scaling": "delayed", "amax_history_len": 1, "amax_compute_algo": "most_recent"},
-}
-
 
 def recipe_settings(name: str, **overrides: Any) -> Settings:
     """The `Settings` a named recipe expands to, with `overrides` applied on top."""

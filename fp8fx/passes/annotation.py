@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from fp8fx.core.formats import Fp8Format
-from fp8fx.core.policy import AmaxComputeAlgo, Granularity, Precision, Scaling
+from fp8fx.core.recipes import AmaxComputeAlgo, Granularity, Precision, Scaling
 
 if TYPE_CHECKING:
     from fp8fx.codegen.variants import GemmVariant

@@ -10,7 +10,8 @@ import torch
 from torch import fx
 
 from fp8fx.core.patterns import BY_KIND, BY_TARGET
-from fp8fx.core.policy import GEMM_ROLES, Granularity, Policy, Precision, Scaling
+from fp8fx.core.policy import Policy
+from fp8fx.core.recipes import GEMM_ROLES, GRANULARITIES, Precision, Scaling
 from fp8fx.passes.annotation import Decision, DelayedSpec, GemmAnnotation, ReasonKind, annotate
 from fp8fx.passes.find_matmuls import (
     Gemm,
@@ -58,20 +59,6 @@ def _operand_roles(site: MatmulSite, gemm: Gemm) -> tuple[str, str]:
     if "grad_output" not in roles:  # x @ x: one of the two must be the incoming gradient
         roles[0] = "grad_output"
     return roles[0], roles[1]
-
-
-BLOCK = 128  # DeepSeek-V3's tile
-
-
-def operand_blocks(granularity: Granularity, roles: tuple[str, str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Scale blocks of the left (M x K) and right (K x N) operand: always along the contraction dim."""
-    if granularity is Granularity.TENSORWISE:
-        return (), ()
-    if granularity is Granularity.ROWWISE:
-        return (1, 0), (0, 1)
-    left = (BLOCK, BLOCK) if roles[0] == "weight" else (1, BLOCK)
-    right = (BLOCK, BLOCK) if roles[1] == "weight" else (BLOCK, 1)
-    return left, right
 
 
 def _shape_problem(n, k) -> str | None:
@@ -186,7 +173,7 @@ def policy_decision(policy: Policy, names: tuple[str, ...], kind: str, role: str
         formats=(settings.format.operand_format(roles[0]), settings.format.operand_format(roles[1])),
         scaling=settings.scaling,
         granularity=settings.granularity,
-        blocks=operand_blocks(settings.granularity, roles),
+        blocks=GRANULARITIES[settings.granularity].blocks(roles),
         power_of_two=settings.power_of_two_scales,
         margin=settings.margin,
         fast_accum=settings.fast_accum[role],

@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 
 import yaml
 
-from fp8fx.core.policy import Policy, Precision, Rule
+from fp8fx.core.policy import Policy, Rule
+from fp8fx.core.recipes import Precision
 from fp8fx.reporting.records import OpRecord, Report, repeated_site
 
 DEFAULT_MIN_SQNR_DB = 18.0  # below this a GEMM's FP8 result is noisier than training tolerates well

@@ -1,0 +1,94 @@
+"""FP8 recipes as data: the choices a policy makes per GEMM, how each granularity places its
+scales on a GEMM's operands, and the named recipes (torchao, TransformerEngine, DeepSeek-V3,
+Megatron) as the settings they expand to. A new granularity is a row of `GRANULARITIES` plus
+its scale math (fp8fx.core.scaling)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+GEMM_ROLES = ("output", "grad_input", "grad_weight")
+
+
+class Precision(str, Enum):
+    FP8 = "fp8"
+    HIGH = "high"
+
+
+class Scaling(str, Enum):
+    """dynamic: the scale comes from this tensor's amax (TE's current scaling). delayed: from an
+    amax history of past steps (TE's DelayedScaling), kept as state in the model."""
+
+    DYNAMIC = "dynamic"
+    DELAYED = "delayed"
+
+
+class AmaxComputeAlgo(str, Enum):
+    MAX = "max"
+    MOST_RECENT = "most_recent"
+
+
+class Level(str, Enum):
+    """MS-AMP's precision levels for data-parallel training (fp8fx.distributed): O1 reduces weight
+    gradients in FP8 and computes with FP16 weights; O2 adds AdamW with an FP8 first and an FP16
+    second moment; O3 adds FP8 weight all-gather and FP16 master weights (FSDP2 only)."""
+
+    O1 = "O1"
+    O2 = "O2"
+    O3 = "O3"
+
+
+class Granularity(str, Enum):
+    """One scale per tensor; per row/column along the contraction dim (torchao's axiswise); or
+    DeepSeek-V3's blocks (1x128 activations and gradients, 128x128 weights)."""
+
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+    BLOCKWISE = "blockwise"
+
+
+BLOCK = 128  # DeepSeek-V3's tile
+
+
+@dataclass(frozen=True)
+class GranularitySpec:
+    """The scale blocks (see fp8fx.core.scaling: rows x cols of the last two dims, 0 = the whole
+    dim) of a GEMM's left (M x K) and right (K x N) operand; always along the contraction dim K.
+    A weight may take other blocks than an activation or a gradient on the same side."""
+
+    left: tuple[int, ...]
+    right: tuple[int, ...]
+    weight_left: tuple[int, ...]
+    weight_right: tuple[int, ...]
+
+    def blocks(self, roles: tuple[str, str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Blocks of the left and right operand, whose roles are `roles` (input | weight | grad_output)."""
+        left = self.weight_left if roles[0] == "weight" else self.left
+        right = self.weight_right if roles[1] == "weight" else self.right
+        return left, right
+
+
+GRANULARITIES: dict[Granularity, GranularitySpec] = {
+    Granularity.TENSORWISE: GranularitySpec((), (), (), ()),
+    Granularity.ROWWISE: GranularitySpec((1, 0), (0, 1), (1, 0), (0, 1)),
+    Granularity.BLOCKWISE: GranularitySpec((1, BLOCK), (BLOCK, 1), (BLOCK, BLOCK), (BLOCK, BLOCK)),
+}
+
+
+# Named recipes: what each expands to, and whose recipe it reproduces.
+RECIPES: dict[str, dict[str, Any]] = {
+    # torchao "tensorwise"; TE Float8CurrentScaling (HYBRID)
+    "tensorwise": {"format": "hybrid", "granularity": "tensorwise"},
+    # torchao "rowwise": E4M3 everywhere, axiswise scales rounded down to powers of two
+    "rowwise": {"format": "e4m3", "granularity": "rowwise", "power_of_two_scales": True},
+    # torchao "rowwise_with_gw_hp": rowwise, grad_weight GEMM in high precision
+    "rowwise_gw_hp": {"format": "e4m3", "granularity": "rowwise", "power_of_two_scales": True, "gemms": {"grad_weight": "high"}},
+    # DeepSeek-V3 / TE Float8BlockScaling: E4M3, 1x128 activation tiles, 128x128 weight blocks
+    "blockwise": {"format": "e4m3", "granularity": "blockwise"},
+    # TE DelayedScaling defaults: HYBRID, amax history 1024, algo max, margin 0
+    "delayed": {"format": "hybrid", "scaling": "delayed", "amax_history_len": 1024, "amax_compute_algo": "max"},
+    # Megatron-LM defaults: amax history 1, most recent amax
+    "megatron": {"format": "hybrid", "scaling": "delayed", "amax_history_len": 1, "amax_compute_algo": "most_recent"},
+}
