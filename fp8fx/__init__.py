@@ -8,7 +8,8 @@
 from fp8fx.compiler.backend import Fp8fxBackend, backend, report, stats
 from fp8fx.compiler.state import prepare
 from fp8fx.core.formats import FormatRecipe, Fp8Format
-from fp8fx.core.policy import FastAccum, GemmPrecisions, Policy, PolicyError, Rule, Settings, load_policy, policy_from_yaml
+from fp8fx.core.policy import FastAccum, GemmPrecisions, Policy, PolicyError, Rule, Settings
+from fp8fx.core.policy_yaml import load_policy, policy_from_yaml
 from fp8fx.core.recipes import Precision
 from fp8fx.reporting.records import OpRecord, Report
 from fp8fx.tools.analyze import CoverageError, ModelFileError, analyze, assert_coverage, load_model_file

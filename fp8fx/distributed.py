@@ -24,7 +24,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fp8fx.core.formats import Fp8Format
-from fp8fx.core.policy import Policy, as_policy
+from fp8fx.core.policy import Policy
+from fp8fx.core.policy_yaml import as_policy
 from fp8fx.core.recipes import Granularity, Level, Scaling
 from fp8fx.ops import reference
 from fp8fx.passes.annotation import ReasonKind

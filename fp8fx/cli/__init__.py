@@ -89,7 +89,8 @@ def _torch_logs(debug: bool):
 
 def _chosen_policy(policy: Path | None, recipe: str | None, debug: bool):
     """The policy of --policy FILE or --recipe NAME (default: the built-in one); one error line if bad."""
-    from fp8fx.core.policy import Policy, PolicyError, load_policy
+    from fp8fx.core.policy import Policy, PolicyError
+    from fp8fx.core.policy_yaml import load_policy
 
     if policy is not None and recipe is not None:
         _fail("give --policy or --recipe, not both")
@@ -127,7 +128,8 @@ def demo(
 @policy_app.command("validate")
 def policy_validate(file: Path = typer.Argument(..., help="Policy YAML file.")) -> None:
     """Check a policy file; print its rules, or one error naming the line and key path."""
-    from fp8fx.core.policy import PolicyError, load_policy
+    from fp8fx.core.policy import PolicyError
+    from fp8fx.core.policy_yaml import load_policy
 
     try:
         policy = load_policy(file)
@@ -389,7 +391,8 @@ def policy_init(
     force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
 ) -> None:
     """Write a commented starter policy file (validated before it is written)."""
-    from fp8fx.core.policy import PolicyError, policy_from_yaml
+    from fp8fx.core.policy import PolicyError
+    from fp8fx.core.policy_yaml import policy_from_yaml
 
     _output_file(output, "policy init")
     if output.exists() and not force:

@@ -27,7 +27,8 @@ from fp8fx.codegen.dispatch import triton_available
 from fp8fx.codegen.variants import device_target
 from fp8fx.compiler.state import BUFFERS, Fp8State, instance_keys, locate
 from fp8fx.core.patterns import BY_TARGET, OPAQUE
-from fp8fx.core.policy import Policy, as_policy
+from fp8fx.core.policy import Policy
+from fp8fx.core.policy_yaml import as_policy
 from fp8fx.passes import REWRITE_PASSES, PassContext, run_passes
 from fp8fx.passes.annotation import annotations
 from fp8fx.passes.graph_utils import decompose_nodes
