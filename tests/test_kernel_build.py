@@ -8,7 +8,8 @@ import re
 import torch
 
 from fp8fx.codegen.targets import build_all, coverage_variants, families_of, gemm_ir
-from fp8fx.codegen.variants import CONFIGS, Epilogue, GemmVariant, TileConfig, configs_for
+from fp8fx.codegen.variants import CONFIGS, GemmVariant, TileConfig, configs_for
+from fp8fx.core.epilogue import Epilogue
 
 E4M3 = torch.float8_e4m3fn
 TMA_ARCHS = ("sm_90a", "sm_100a")

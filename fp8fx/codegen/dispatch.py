@@ -131,11 +131,3 @@ def choose_kernel(kernels: str, variant: GemmVariant, shape: tuple, device: torc
         return "scaled_mm", "no epilogue to fuse: cuBLAS's GEMM until a measurement favours the generated kernel"
     return "triton", f"fused epilogue saves {saved} memory pass{'es' if saved > 1 else ''}"
 
-
-def __getattr__(name: str):
-    # Old location of the CUDA implementation of fp8fx::fp8_gemm, now fp8fx.ops.cuda.
-    if name == "fp8_gemm_cuda":
-        from fp8fx.ops.cuda import fp8_gemm_cuda
-
-        return fp8_gemm_cuda
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,8 +24,33 @@ amax = custom_op("fp8fx::amax", reference.amax, mutates_args=())
 amax_to_scale = custom_op("fp8fx::amax_to_scale", reference.amax_to_scale, mutates_args=())
 cast = custom_op("fp8fx::cast", reference.cast, mutates_args=())
 scaled_mm = custom_op("fp8fx::scaled_mm", reference.scaled_mm, mutates_args=())
-fp8_gemm = custom_op("fp8fx::fp8_gemm", reference.fp8_gemm, mutates_args=())
 delayed_scale_update = custom_op("fp8fx::delayed_scale_update", reference.delayed_scale_update, mutates_args=())
+
+
+@custom_op("fp8fx::fp8_gemm", mutates_args=())
+def fp8_gemm(
+    a: Tensor,
+    b: Tensor,
+    scale_inv_a: Tensor,
+    scale_inv_b: Tensor,
+    bias: Tensor | None,
+    other: Tensor | None,
+    residual: Tensor | None,
+    out_scale: Tensor | None,
+    out_dtype: torch.dtype,
+    aux_dtype: torch.dtype,
+    block_a: list[int],
+    block_b: list[int],
+    epilogue: str,
+    *,
+    gpu_kernel: str,
+    fast_accum: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`reference.fp8_gemm`. How a GPU runs it is keyword-only: `gpu_kernel` (the reference's `kernel`) and
+    `fast_accum`; the CPU emulation is the same for every value."""
+    return reference.fp8_gemm(
+        a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, gpu_kernel, fast_accum
+    )
 
 
 @amax.register_fake
@@ -55,7 +80,7 @@ def _(amax_history, scale, steps, non_finite, amax, fp8_max, margin, power_of_tw
 
 
 @fp8_gemm.register_fake
-def _(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, kernel, fast_accum):
+def _(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, *, gpu_kernel, fast_accum):
     reference.check_scaled_mm_args(a, b, scale_inv_a, scale_inv_b, block_a, block_b)
     ep = Epilogue.parse(epilogue)
     shape = (*a.shape[:-1], b.shape[-1])

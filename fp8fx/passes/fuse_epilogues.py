@@ -22,7 +22,8 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fp8fx.codegen.dispatch import choose_kernel
-from fp8fx.codegen.variants import Epilogue, GemmVariant
+from fp8fx.codegen.variants import GemmVariant
+from fp8fx.core.epilogue import Epilogue, activation_of
 from fp8fx.passes.annotation import Fusion, annotate, annotation, update_fusion
 from fp8fx.passes.graph_utils import DTYPE_CASTS, PassContext, PassResult, add_node, fake_mode_of, strip_layout
 
@@ -30,7 +31,6 @@ aten = torch.ops.aten
 fp8fx_ops = torch.ops.fp8fx
 
 RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
-ACTIVATIONS = {aten.relu.default: "relu", aten.silu.default: "silu", aten.gelu.default: "gelu"}
 STAGE_AFTER = {"bias": "pre_activation", "activation": "activation", "mul": "product", "residual": "sum"}
 
 
@@ -65,12 +65,8 @@ def _size_arg(node: fx.Node, chain: list[fx.Node]) -> list | None:
 
 
 def _activation_name(node: fx.Node) -> str | None:
-    if node.op != "call_function" or node.target not in ACTIVATIONS:
-        return None
-    name = ACTIVATIONS[node.target]
-    if name == "gelu" and node.kwargs.get("approximate", "none") == "tanh":
-        return "gelu_tanh"
-    return name
+    """The activation (`fp8fx.core.epilogue.ACTIVATIONS`) the node computes, if any."""
+    return activation_of(node.target, node.kwargs) if node.op == "call_function" else None
 
 
 def _is_backward(node: fx.Node) -> bool:
@@ -146,8 +142,8 @@ class _Fuser:
     def _renumber(self):
         self.order = {node: i for i, node in enumerate(self.graph.nodes)}
 
-    def add(self, target, args, tag_from):
-        return add_node(self.graph, self.fake_mode, target, args, tag_from=tag_from)
+    def add(self, target, args, tag_from, kwargs=None):
+        return add_node(self.graph, self.fake_mode, target, args, kwargs, tag_from=tag_from)
 
     def plan(self, gemm: fx.Node, steps: list):
         """(epilogue, inputs, final node, aux node, amax users, absorbed nodes) for `steps`, or None."""
@@ -255,8 +251,8 @@ class _Fuser:
                 t = inputs[key]
                 flat[key] = t if t is None or _same_shape(t, (m, n)) else self.add(aten.view.default, (t, [-1, n]), tag_from=gemm)
             args = (a, b, sa, sb, inputs["bias"], flat["other"], flat["residual"], out_scale, out_val.dtype, aux_dtype,
-                    list(block_a), list(block_b), ep.spec(), kernel, fast_accum)  # fmt: skip
-            fused = self.add(fp8fx_ops.fp8_gemm.default, args, tag_from=gemm)
+                    list(block_a), list(block_b), ep.spec())  # fmt: skip
+            fused = self.add(fp8fx_ops.fp8_gemm.default, args, tag_from=gemm, kwargs={"gpu_kernel": kernel, "fast_accum": fast_accum})
             outs = [self.add(operator.getitem, (fused, i), tag_from=gemm) for i in range(3)]
             out = outs[0] if _same_shape(final, (m, n)) else self.add(aten.view.default, (outs[0], sizes[final]), tag_from=gemm)
             aux = None

@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fp8fx.codegen.variants import Epilogue, GemmVariant
+from fp8fx.codegen.variants import GemmVariant
+from fp8fx.core.epilogue import Epilogue
 from fp8fx.passes.annotation import annotation
 from fp8fx.runtime import numerics
 from fp8fx.runtime.numerics import EXACT_DB
@@ -313,13 +314,13 @@ def run_generated(use: VariantUse, t: dict) -> Outputs:
 
 def run_scaled_mm(use: VariantUse, t: dict) -> Outputs:
     """`torch._scaled_mm` (scaled_mm_2d) to fp32, then the epilogue as torch ops: exactly what
-    dispatch runs for kernel "scaled_mm"."""
-    from fp8fx.codegen.dispatch import fp8_gemm_cuda
+    `fp8fx.ops.cuda` runs for kernel "scaled_mm"."""
+    from fp8fx.ops.cuda import fp8_gemm_cuda
 
     v = use.variant
     out, aux, amax = fp8_gemm_cuda(
         t["a"], t["b"], t["scale_inv_a"], t["scale_inv_b"], t["bias"], t["other"], t["residual"], t["out_scale"], v.out_dtype, v.aux_dtype,
-        list(v.block_a), list(v.block_b), v.epilogue.spec(), "scaled_mm", v.fast_accum,
+        list(v.block_a), list(v.block_b), v.epilogue.spec(), gpu_kernel="scaled_mm", fast_accum=v.fast_accum,
     )  # fmt: skip
     return _present(use, out, aux, amax)
 
@@ -400,7 +401,7 @@ def check_gemm(use: VariantUse, m: int, n: int, k: int, paths, device: str | tor
 
 def scaled_mm_paths(use: VariantUse) -> tuple[str, ...]:
     """("generated", "scaled_mm"), without scaled_mm where torch._scaled_mm cannot run the variant."""
-    from fp8fx.codegen.scaled_mm_cuda import scaled_mm_supports
+    from fp8fx.codegen.dispatch import scaled_mm_supports
 
     return ("generated",) if scaled_mm_supports(use.variant) else ("generated", "scaled_mm")
 

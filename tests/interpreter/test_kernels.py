@@ -13,7 +13,7 @@ import torch
 from helpers import GatedBlock, sqnr
 
 from fp8fx.codegen import launch
-from fp8fx.codegen.variants import Epilogue
+from fp8fx.core.epilogue import Epilogue
 from fp8fx.core.scaling import amax_to_scale, block_amax
 from fp8fx.ops import reference
 
