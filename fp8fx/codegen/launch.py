@@ -28,7 +28,7 @@ from fp8fx.codegen.variants import (
     configs_for,
     device_target,
 )
-from fp8fx.core.epilogue import Epilogue
+from fp8fx.core.epilogue import PLAIN, Epilogue
 from fp8fx.core.formats import fp8_format_of
 from fp8fx.core.scaling import scale_shape
 
@@ -124,7 +124,7 @@ def fp8_gemm(
     *,
     block_a: tuple = (),
     block_b: tuple = (),
-    epilogue: Epilogue = Epilogue(),
+    epilogue: Epilogue = PLAIN,
     bias: Tensor | None = None,
     other: Tensor | None = None,
     residual: Tensor | None = None,
@@ -141,7 +141,7 @@ def fp8_gemm(
     target's. Returns (out, aux or None, amax or None)."""
     block_a, block_b = tuple(block_a), tuple(block_b)
     variant = GemmVariant(a.dtype, b.dtype, block_a, block_b, epilogue, out_dtype, aux_dtype, fast_accum)
-    device = _check_device(dict(a=a, b=b, scale_inv_a=scale_inv_a, scale_inv_b=scale_inv_b, bias=bias, other=other, residual=residual, out_scale=out_scale))
+    device = _check_device({"a": a, "b": b, "scale_inv_a": scale_inv_a, "scale_inv_b": scale_inv_b, "bias": bias, "other": other, "residual": residual, "out_scale": out_scale})
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"fp8fx FP8 GEMM: needs 2-D [M, K] @ [K, N], got {tuple(a.shape)} @ {tuple(b.shape)}")
     (m, k), n = a.shape, b.shape[1]
@@ -250,7 +250,7 @@ def quantize(
     the amax pass. `transpose=True` returns the same values laid out column-major."""
     fp8_format_of(dtype)
     block = tuple(block)
-    device = _check_device(dict(x=x, amax=amax))
+    device = _check_device({"x": x, "amax": amax})
     if x.dim() != 2:
         raise ValueError(f"fp8fx quantize: needs a 2-D tensor, got shape {tuple(x.shape)}")
     if amax is not None and (block or amax.numel() != 1):
@@ -276,7 +276,7 @@ def cast(x: Tensor, scale: Tensor, dtype: torch.dtype, block: tuple = (), *, tra
     Tensorwise and row-blocked casts of N-D tensors run on the 2-D view [rows, last dim]."""
     fp8_format_of(dtype)
     block = tuple(block)
-    device = _check_device(dict(x=x, scale=scale))
+    device = _check_device({"x": x, "scale": scale})
     if x.dim() < 2 or (x.dim() > 2 and block and block[0] != 1):
         raise ValueError(f"fp8fx cast: needs a 2-D tensor (N-D only tensorwise or with row blocks of 1), got {tuple(x.shape)} with block {block}")
     x2 = x.reshape(-1, x.shape[-1])

@@ -84,7 +84,7 @@ def _compile(fn, signature: dict, constexprs: dict, arch: str, num_warps: int, n
         (fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in signature.items() if ty.startswith("*") or name in aligned
     }
     src = ASTSource(fn, signature, constexprs, attrs)
-    options = dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True)
+    options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": True}
     return triton.compile(src, target=GPUTarget("cuda", CAPABILITY[arch], 32), options=options)
 
 
@@ -95,7 +95,7 @@ def _signature(fn, pointers: dict, constexprs: dict) -> dict:
 def _gemm_kernel(variant: GemmVariant, arch: str, config: TileConfig, family: str):
     """The compiled GEMM kernel of one family (Triton's CompiledKernel: .asm holds ttir, ttgir, ptx)."""
     # The launcher's layout: K-contiguous operands, row-major outputs.
-    pointers = dict(out_ptr=_PTR[variant.out_dtype], aux_ptr=_PTR[variant.aux_dtype])
+    pointers = {"out_ptr": _PTR[variant.out_dtype], "aux_ptr": _PTR[variant.aux_dtype]}
     for name in ("scale_a_ptr", "scale_b_ptr", "out_scale_ptr", "amax_ptr", "other_ptr"):
         pointers[name] = "*fp32"
     pointers["bias_ptr"] = pointers["residual_ptr"] = "*bf16"
@@ -143,7 +143,7 @@ def build_quantize(variant: QuantizeVariant, arch: str) -> BuildResult:
     b0, b1, tile_r, tile_c = variant.blocking()  # as the launcher runs it
     config = TileConfig(tile_r, 1, tile_c, 1, 4, 1)  # (tile_r, -, tile_c), for the report
     constexprs = {**variant.constexprs(), "ROW_BLOCK": b0, "COL_BLOCK": b1, "TILE_R": tile_r, "TILE_C": tile_c, "COLUMNS_FIRST": False, "stride_xc": 1}
-    pointers = dict(x_ptr=_PTR[variant.in_dtype], out_ptr=_PTR[variant.out_dtype], scale_ptr="*fp32", amax_ptr="*fp32")
+    pointers = {"x_ptr": _PTR[variant.in_dtype], "out_ptr": _PTR[variant.out_dtype], "scale_ptr": "*fp32", "amax_ptr": "*fp32"}
     signature = _signature(quantize_kernel, pointers, constexprs)
     kernel = _compile(quantize_kernel, signature, constexprs, arch, 4, 1, aligned=("C", "stride_xr", "stride_or"))
     return _result(variant.name, arch, config, kernel, None, "quantize")

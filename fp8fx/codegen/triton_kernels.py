@@ -68,14 +68,14 @@ def _round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexp
 @triton.jit
 def _to_fp8(x, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     """Saturating cast of fp32 to the FP8 grid (NaN stays NaN), still held in fp32."""
-    clamped = tl.where(x != x, x, tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
+    clamped = tl.where(x != x, x, tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))  # noqa: PLR0124 - x != x: NaN
     return _round_to_fp8_grid(clamped, MANTISSA_BITS, MIN_EXPONENT)
 
 
 @triton.jit
 def _abs_max(x):
     """max |x| over a tile, NaN if any element is NaN (tl.max alone drops NaN; an amax must not)."""
-    has_nan = tl.sum((x != x).to(tl.int32)) > 0
+    has_nan = tl.sum((x != x).to(tl.int32)) > 0  # noqa: PLR0124 - x != x: NaN
     return tl.where(has_nan, float("nan"), tl.max(tl.abs(x)))
 
 

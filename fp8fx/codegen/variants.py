@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fp8fx.core.epilogue import Epilogue
+from fp8fx.core.epilogue import PLAIN, Epilogue
 from fp8fx.core.formats import fp8_format_of
 
 _FP8_CONSTS = {  # FP8_MAX, MANTISSA_BITS, MIN_EXPONENT (of normal numbers)
@@ -38,7 +38,7 @@ class GemmVariant:
     b_dtype: torch.dtype
     block_a: tuple = ()  # scale blocks, as in fp8fx.core.scaling: () | (rows, k) with 0 = whole dim
     block_b: tuple = ()
-    epilogue: Epilogue = Epilogue()
+    epilogue: Epilogue = PLAIN
     out_dtype: torch.dtype = torch.bfloat16
     aux_dtype: torch.dtype = torch.bfloat16
     # Hopper's FP8 wgmma accumulates in reduced precision: fast_accum keeps the whole K loop there,
@@ -81,7 +81,7 @@ class GemmVariant:
             FP8_MAX=fp8_max, MANTISSA_BITS=mantissa, MIN_EXPONENT=min_exp, FAST_ACCUM=self.fast_accum,
         )
 
-    def with_epilogue(self, **changes) -> "GemmVariant":
+    def with_epilogue(self, **changes) -> GemmVariant:
         return replace(self, epilogue=replace(self.epilogue, **changes))
 
 
@@ -109,10 +109,15 @@ class QuantizeVariant:
 
     def constexprs(self) -> dict:
         fp8_max, mantissa, min_exp = _FP8_CONSTS[self.out_dtype]
-        return dict(
-            AMAX_GIVEN=self.amax_given, SCALE_GIVEN=self.scale_given, FP8_MAX=fp8_max, MARGIN_FACTOR=2.0**self.margin, POWER_OF_TWO=self.power_of_two,
-            MANTISSA_BITS=mantissa, MIN_EXPONENT=min_exp,
-        )
+        return {
+            "AMAX_GIVEN": self.amax_given,
+            "SCALE_GIVEN": self.scale_given,
+            "FP8_MAX": fp8_max,
+            "MARGIN_FACTOR": 2.0**self.margin,
+            "POWER_OF_TWO": self.power_of_two,
+            "MANTISSA_BITS": mantissa,
+            "MIN_EXPONENT": min_exp,
+        }
 
     @property
     def name(self) -> str:

@@ -137,6 +137,9 @@ class Epilogue:
         }
 
 
+PLAIN = Epilogue()  # the bare GEMM
+
+
 @functools.cache
 def _parse(spec: str) -> Epilogue:
     fields: dict = {}
