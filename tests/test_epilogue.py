@@ -15,7 +15,9 @@ aten = torch.ops.aten
 
 def every_epilogue():
     names = list(ACTIVATIONS)
-    for bias, act, mul, residual, aux, amax in itertools.product((False, True), names, MUL_MODES, (False, True), AUX_STAGES, (False, True)):
+    for bias, act, mul, residual, aux, amax in itertools.product(
+        (False, True), names, MUL_MODES, (False, True), AUX_STAGES, (False, True)
+    ):
         for gate in names if mul == "gated" else ["none"]:
             yield Epilogue(bias, act, mul, gate, residual, aux, amax)
 
@@ -29,7 +31,9 @@ def test_spec_round_trips_and_is_parsed_once_per_string():
     assert Epilogue.parse("") == Epilogue()
 
 
-@pytest.mark.parametrize("spec,message", [("bias,swish", "unknown part 'swish'"), ("act=tanh", "activation='tanh'"), ("aux=later", "aux='later'")])
+@pytest.mark.parametrize(
+    "spec,message", [("bias,swish", "unknown part 'swish'"), ("act=tanh", "activation='tanh'"), ("aux=later", "aux='later'")]
+)
 def test_bad_specs_name_the_part(spec, message):
     with pytest.raises(ValueError, match=message):
         Epilogue.parse(spec)

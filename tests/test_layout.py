@@ -36,13 +36,22 @@ def allowed(name: str, packages: tuple[str, ...]) -> bool:
 def test_package_imports_only_what_it_builds_on(package, may_import):
     files = sorted((PACKAGE / package).rglob("*.py"))
     assert files
-    bad = {f"{path.relative_to(PACKAGE.parent)}: {name}" for path in files for name in fp8fx_imports(path) if not allowed(name, may_import)}
+    bad = {
+        f"{path.relative_to(PACKAGE.parent)}: {name}"
+        for path in files
+        for name in fp8fx_imports(path)
+        if not allowed(name, may_import)
+    }
     assert not bad, "\n".join(sorted(bad))
 
 
 def test_every_fp8fx_operator_is_defined_in_ops():
     definition = re.compile(r"""(custom_op|torch\.library\.define|Library)\(\s*["']fp8fx::""")
-    outside = [str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py") if definition.search(p.read_text()) and p.parent.name != "ops"]
+    outside = [
+        str(p.relative_to(PACKAGE.parent))
+        for p in PACKAGE.rglob("*.py")
+        if definition.search(p.read_text()) and p.parent.name != "ops"
+    ]
     assert not outside, outside
     inside = [p.name for p in (PACKAGE / "ops").glob("*.py") if definition.search(p.read_text())]
     assert inside

@@ -60,6 +60,8 @@ def test_monitor_shadow_and_probes_are_taps_of_their_own_handlers():
     torch.compile(layer, backend=backend)(torch.randn(8, 32)).sum().backward()
     handlers = [n.args[2] for _, gm in backend.kept_graphs for n in gm.graph.nodes if n.target == TAP]
     assert set(handlers) == {backend.monitor.tap_handler, backend.shadow.tap_handler}
-    assert taps.lookup(backend.monitor.tap_handler) is backend.monitor and taps.lookup(backend.shadow.tap_handler) is backend.shadow
+    assert (
+        taps.lookup(backend.monitor.tap_handler) is backend.monitor and taps.lookup(backend.shadow.tap_handler) is backend.shadow
+    )
     assert backend.shadow.checks and backend.monitor.samples
     assert not any(hasattr(torch.ops.fp8fx, name) for name in ("observe", "shadow_check", "numerics_probe"))

@@ -84,7 +84,9 @@ def load_table(path: Path) -> list[dict]:
         ok = ok and all(isinstance(e.get(key), int) and e[key] > 0 for key in ("m", "n", "k"))
         ok = ok and all(isinstance(e.get(key), (int, float)) and e[key] > 0 for key in ("generated_ms", "scaled_mm_ms"))
         if not ok:
-            raise ValueError(f"{path}: gemms[{i}] needs variant (str), m, n, k (positive ints), generated_ms and scaled_mm_ms (> 0): {e!r}")
+            raise ValueError(
+                f"{path}: gemms[{i}] needs variant (str), m, n, k (positive ints), generated_ms and scaled_mm_ms (> 0): {e!r}"
+            )
     return data["gemms"]
 
 
@@ -130,4 +132,3 @@ def choose_kernel(kernels: str, variant: GemmVariant, shape: tuple, device: torc
     if saved == 0:
         return "scaled_mm", "no epilogue to fuse: cuBLAS's GEMM until a measurement favours the generated kernel"
     return "triton", f"fused epilogue saves {saved} memory pass{'es' if saved > 1 else ''}"
-

@@ -40,7 +40,9 @@ def _check_device(tensors: dict[str, Tensor | None]) -> torch.device:
     present = {k: t for k, t in tensors.items() if t is not None}
     devices = {t.device for t in present.values()}
     if len(devices) != 1:
-        raise ValueError(f"fp8fx kernel: arguments on different devices: {', '.join(f'{k}={t.device}' for k, t in present.items())}")
+        raise ValueError(
+            f"fp8fx kernel: arguments on different devices: {', '.join(f'{k}={t.device}' for k, t in present.items())}"
+        )
     device = devices.pop()
     if device.type != "cuda" and not interpreter_active():
         raise RuntimeError(
@@ -84,7 +86,9 @@ def gemm_grid(m: int, n: int, config: TileConfig, family: str, sms: int) -> tupl
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     programs = tiles if family == "pointer" else min(sms, tiles)
     if programs > GRID_LIMITS[0]:
-        raise ValueError(f"fp8fx FP8 GEMM: {m} x {n} needs {programs} tiles of {config.block_m} x {config.block_n}, over CUDA's grid limit")
+        raise ValueError(
+            f"fp8fx FP8 GEMM: {m} x {n} needs {programs} tiles of {config.block_m} x {config.block_n}, over CUDA's grid limit"
+        )
     return (programs,)
 
 
@@ -103,7 +107,8 @@ def autotuner(target: str, family: str, variant: GemmVariant):
     (M bucket, N, K). The same construction serves GPUs and the interpreter."""
     kernel, pre_hook = _kernel(family)
     configs = [
-        triton.Config(c.constexprs(), num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=pre_hook) for c in configs_for(target, variant, family)
+        triton.Config(c.constexprs(), num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=pre_hook)
+        for c in configs_for(target, variant, family)
     ]
     if not configs:
         raise ValueError(f"fp8fx: no {family} tile config of {target} fits variant {variant.name}")
@@ -141,13 +146,26 @@ def fp8_gemm(
     target's. Returns (out, aux or None, amax or None)."""
     block_a, block_b = tuple(block_a), tuple(block_b)
     variant = GemmVariant(a.dtype, b.dtype, block_a, block_b, epilogue, out_dtype, aux_dtype, fast_accum)
-    device = _check_device({"a": a, "b": b, "scale_inv_a": scale_inv_a, "scale_inv_b": scale_inv_b, "bias": bias, "other": other, "residual": residual, "out_scale": out_scale})
+    device = _check_device(
+        {
+            "a": a,
+            "b": b,
+            "scale_inv_a": scale_inv_a,
+            "scale_inv_b": scale_inv_b,
+            "bias": bias,
+            "other": other,
+            "residual": residual,
+            "out_scale": out_scale,
+        }
+    )
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"fp8fx FP8 GEMM: needs 2-D [M, K] @ [K, N], got {tuple(a.shape)} @ {tuple(b.shape)}")
     (m, k), n = a.shape, b.shape[1]
     for name, s, shape, block in (("scale_inv_a", scale_inv_a, a.shape, block_a), ("scale_inv_b", scale_inv_b, b.shape, block_b)):
         if s.dtype != torch.float32 or tuple(s.shape) != tuple(scale_shape(shape, block)):
-            raise ValueError(f"fp8fx FP8 GEMM: {name} must be fp32 of shape {tuple(scale_shape(shape, block))} for block {block}, got {s.dtype} {tuple(s.shape)}")
+            raise ValueError(
+                f"fp8fx FP8 GEMM: {name} must be fp32 of shape {tuple(scale_shape(shape, block))} for block {block}, got {s.dtype} {tuple(s.shape)}"
+            )
     for name, t, wanted, shape in (
         ("bias", bias, epilogue.bias, (n,)),
         ("other", other, epilogue.mul != "none", (m, n)),
@@ -155,7 +173,9 @@ def fp8_gemm(
         ("out_scale", out_scale, variant.constexprs()["OUT_FP8"], ()),
     ):
         if wanted != (t is not None):
-            raise ValueError(f"fp8fx FP8 GEMM: epilogue {epilogue.spec() or 'plain'!r} {'needs' if wanted else 'takes no'} {name}")
+            raise ValueError(
+                f"fp8fx FP8 GEMM: epilogue {epilogue.spec() or 'plain'!r} {'needs' if wanted else 'takes no'} {name}"
+            )
         if t is not None:
             _check_shape(name, t, shape)
     scale_inv_a, scale_inv_b = scale_inv_a.contiguous(), scale_inv_b.contiguous()  # unit inner stride, as the kernels are built
@@ -231,7 +251,11 @@ def block_grid(row_blocks: int, col_blocks: int) -> tuple[tuple[int, int], bool]
 
 def _empty_fp8(rows: int, cols: int, dtype: torch.dtype, device: torch.device, transpose: bool) -> Tensor:
     """[rows, cols] FP8 output, row-major or (transpose) column-major."""
-    return torch.empty((cols, rows), dtype=dtype, device=device).t() if transpose else torch.empty((rows, cols), dtype=dtype, device=device)
+    return (
+        torch.empty((cols, rows), dtype=dtype, device=device).t()
+        if transpose
+        else torch.empty((rows, cols), dtype=dtype, device=device)
+    )
 
 
 def quantize(
@@ -278,11 +302,15 @@ def cast(x: Tensor, scale: Tensor, dtype: torch.dtype, block: tuple = (), *, tra
     block = tuple(block)
     device = _check_device({"x": x, "scale": scale})
     if x.dim() < 2 or (x.dim() > 2 and block and block[0] != 1):
-        raise ValueError(f"fp8fx cast: needs a 2-D tensor (N-D only tensorwise or with row blocks of 1), got {tuple(x.shape)} with block {block}")
+        raise ValueError(
+            f"fp8fx cast: needs a 2-D tensor (N-D only tensorwise or with row blocks of 1), got {tuple(x.shape)} with block {block}"
+        )
     x2 = x.reshape(-1, x.shape[-1])
     scale2 = scale.reshape(-1, scale.shape[-1]) if block else scale
     if tuple(scale2.shape) != tuple(scale_shape(x2.shape, block)) or scale.dtype != torch.float32:
-        raise ValueError(f"fp8fx cast: scale must be fp32 of shape {tuple(scale_shape(x.shape, block))}, got {scale.dtype} {tuple(scale.shape)}")
+        raise ValueError(
+            f"fp8fx cast: scale must be fp32 of shape {tuple(scale_shape(x.shape, block))}, got {scale.dtype} {tuple(scale.shape)}"
+        )
     out = _empty_fp8(*x2.shape, dtype, device, transpose)
     _launch_quantize(x2, out, scale2, scale2, QuantizeVariant(x.dtype, dtype, block, scale_given=True))
     return out if transpose else out.reshape(x.shape)

@@ -70,7 +70,15 @@ def _ptxas_report(ptx: str, arch: str) -> tuple[int, int]:
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "k.ptx"
         src.write_text(ptx)
-        cmd = [get_ptxas(CAPABILITY[arch]).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={arch}", str(src), "-o", str(Path(d) / "k.cubin")]
+        cmd = [
+            get_ptxas(CAPABILITY[arch]).path,
+            "-v",
+            "--regAllocOptLevel=2",
+            f"--gpu-name={arch}",
+            str(src),
+            "-o",
+            str(Path(d) / "k.cubin"),
+        ]
         log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
@@ -81,7 +89,9 @@ def _compile(fn, signature: dict, constexprs: dict, arch: str, num_warps: int, n
     # Pointers, and the sizes and strides the launcher guarantees to be multiples of 16, carry
     # Triton's divisibility hint, as Triton's launcher specialises them at run time.
     attrs = {
-        (fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in signature.items() if ty.startswith("*") or name in aligned
+        (fn.arg_names.index(name),): [["tt.divisibility", 16]]
+        for name, ty in signature.items()
+        if ty.startswith("*") or name in aligned
     }
     src = ASTSource(fn, signature, constexprs, attrs)
     options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": True}
@@ -142,7 +152,15 @@ def gemm_ir(variant: GemmVariant, arch: str, config: TileConfig, family: str = "
 def build_quantize(variant: QuantizeVariant, arch: str) -> BuildResult:
     b0, b1, tile_r, tile_c = variant.blocking()  # as the launcher runs it
     config = TileConfig(tile_r, 1, tile_c, 1, 4, 1)  # (tile_r, -, tile_c), for the report
-    constexprs = {**variant.constexprs(), "ROW_BLOCK": b0, "COL_BLOCK": b1, "TILE_R": tile_r, "TILE_C": tile_c, "COLUMNS_FIRST": False, "stride_xc": 1}
+    constexprs = {
+        **variant.constexprs(),
+        "ROW_BLOCK": b0,
+        "COL_BLOCK": b1,
+        "TILE_R": tile_r,
+        "TILE_C": tile_c,
+        "COLUMNS_FIRST": False,
+        "stride_xc": 1,
+    }
     pointers = {"x_ptr": _PTR[variant.in_dtype], "out_ptr": _PTR[variant.out_dtype], "scale_ptr": "*fp32", "amax_ptr": "*fp32"}
     signature = _signature(quantize_kernel, pointers, constexprs)
     kernel = _compile(quantize_kernel, signature, constexprs, arch, 4, 1, aligned=("C", "stride_xr", "stride_or"))
@@ -180,7 +198,9 @@ def families_of(arch: str) -> tuple[str, ...]:
     return tuple(f for f in FAMILIES if (arch, f) in CONFIGS)
 
 
-def build_all(variants, archs=tuple(CAPABILITY), all_configs: bool = False, workers: int = 2, families: tuple | None = None) -> list[BuildResult]:
+def build_all(
+    variants, archs=tuple(CAPABILITY), all_configs: bool = False, workers: int = 2, families: tuple | None = None
+) -> list[BuildResult]:
     """Build every variant for every arch and kernel family (`families`, default: each arch's
     `families_of`), with each tile config or the arch's first (the largest), in `workers`
     processes. Quantize variants build once per arch."""
@@ -210,12 +230,18 @@ def coverage_variants() -> list:
     gemms = [
         GemmVariant(e4, e4, (), (), Epilogue(bias=True, activation="gelu", aux="pre_activation", out_amax=True), torch.bfloat16),
         GemmVariant(e4, e4, (1, 0), (0, 1), Epilogue(activation="silu", mul="by_other", aux="activation"), torch.float16),
-        GemmVariant(e4, e4, (1, 128), (128, 128), Epilogue(mul="gated", mul_activation="silu", aux="pre_activation"), torch.bfloat16),
+        GemmVariant(
+            e4, e4, (1, 128), (128, 128), Epilogue(mul="gated", mul_activation="silu", aux="pre_activation"), torch.bfloat16
+        ),
         GemmVariant(e5, e4, (1, 128), (128, 1), Epilogue(activation="relu", residual=True, aux="product"), torch.float32),
         GemmVariant(e4, e5, (), (), Epilogue(activation="gelu_tanh", residual=True, aux="sum", out_amax=True), torch.bfloat16),
         GemmVariant(e4, e4, (), (), Epilogue(bias=True, residual=True), e4),
     ]
-    quantizers = [QuantizeVariant(torch.bfloat16, fmt, block, amax_given=not block) for fmt in (e4, e5) for block in ((), (1, 0), (1, 128), (128, 128))]
+    quantizers = [
+        QuantizeVariant(torch.bfloat16, fmt, block, amax_given=not block)
+        for fmt in (e4, e5)
+        for block in ((), (1, 0), (1, 128), (128, 128))
+    ]
     quantizers += [QuantizeVariant(torch.float32, e4, block, scale_given=True) for block in ((), (1, 0), (1, 128))]
     return gemms + quantizers
 

@@ -32,7 +32,9 @@ def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _k_block_scales(scale_ptr, start, k0, limit, stride_idx, stride_k, LEN: tl.constexpr, BLOCK: tl.constexpr, K_BLOCK: tl.constexpr):
+def _k_block_scales(
+    scale_ptr, start, k0, limit, stride_idx, stride_k, LEN: tl.constexpr, BLOCK: tl.constexpr, K_BLOCK: tl.constexpr
+):
     """Scales of the LEN rows (of A) or columns (of B) from `start` (int64, a multiple of LEN) at
     K offset k0, as a [LEN] vector (1 past `limit`). A scale block covering the tile is one scalar
     load; blocks that tile it are addressed from the tile's first block, so the per-element part
@@ -56,19 +58,52 @@ def _k_block_scales(scale_ptr, start, k0, limit, stride_idx, stride_k, LEN: tl.c
 
 @triton.jit
 def _finish_slice(
-    acc, offs_m, offs_n, mask_m, M, N,
-    out_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, other_ptr, residual_ptr, aux_ptr, out_scale_ptr, amax_ptr,
-    stride_om, stride_on, stride_sa_row, stride_sb_col,
-    stride_xm, stride_xn, stride_rm, stride_rn, stride_aux_m, stride_aux_n,
-    A_ROW_BLOCK: tl.constexpr, B_COL_BLOCK: tl.constexpr, SCALED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, AUX_STAGE: tl.constexpr, ACTIVATION: tl.constexpr, MUL_MODE: tl.constexpr,
-    MUL_ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_AMAX: tl.constexpr, OUT_FP8: tl.constexpr,
-    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+    acc,
+    offs_m,
+    offs_n,
+    mask_m,
+    M,
+    N,
+    out_ptr,
+    scale_a_ptr,
+    scale_b_ptr,
+    bias_ptr,
+    other_ptr,
+    residual_ptr,
+    aux_ptr,
+    out_scale_ptr,
+    amax_ptr,
+    stride_om,
+    stride_on,
+    stride_sa_row,
+    stride_sb_col,
+    stride_xm,
+    stride_xn,
+    stride_rm,
+    stride_rn,
+    stride_aux_m,
+    stride_aux_n,
+    A_ROW_BLOCK: tl.constexpr,
+    B_COL_BLOCK: tl.constexpr,
+    SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    AUX_STAGE: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    MUL_MODE: tl.constexpr,
+    MUL_ACTIVATION: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    OUT_AMAX: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr,
 ):
     """Dequantize (unless the K loop did: SCALED) and run the epilogue on one column slice."""
     mask_n = offs_n < N
     if not SCALED:
-        acc = apply_scales(acc, offs_m, offs_n, mask_m, mask_n, scale_a_ptr, scale_b_ptr, stride_sa_row, stride_sb_col, A_ROW_BLOCK, B_COL_BLOCK)
+        acc = apply_scales(
+            acc, offs_m, offs_n, mask_m, mask_n, scale_a_ptr, scale_b_ptr, stride_sa_row, stride_sb_col, A_ROW_BLOCK, B_COL_BLOCK
+        )
     epilogue_store(
         acc, offs_m, offs_n, mask_m, mask_n, out_ptr, bias_ptr, other_ptr, residual_ptr, aux_ptr, out_scale_ptr, amax_ptr,
         stride_om, stride_on, stride_xm, stride_xn, stride_rm, stride_rn, stride_aux_m, stride_aux_n,
@@ -78,18 +113,56 @@ def _finish_slice(
 
 @triton.jit
 def fp8_gemm_tma_kernel(
-    a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr,
-    bias_ptr, other_ptr, residual_ptr, aux_ptr, out_scale_ptr, amax_ptr,
-    M, N, K, M_BUCKET,
-    stride_om, stride_on,
-    stride_sa_row, stride_sa_k, stride_sb_k, stride_sb_col,
-    stride_xm, stride_xn, stride_rm, stride_rn, stride_aux_m, stride_aux_n,
-    A_ROW_BLOCK: tl.constexpr, A_K_BLOCK: tl.constexpr, B_K_BLOCK: tl.constexpr, B_COL_BLOCK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, AUX_STAGE: tl.constexpr, ACTIVATION: tl.constexpr, MUL_MODE: tl.constexpr,
-    MUL_ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_AMAX: tl.constexpr, OUT_FP8: tl.constexpr,
-    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr, FAST_ACCUM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EPILOGUE_SUBTILE: tl.constexpr = 1, WARP_SPECIALIZE: tl.constexpr = False, FLATTEN: tl.constexpr = False,
+    a_desc,
+    b_desc,
+    out_ptr,
+    scale_a_ptr,
+    scale_b_ptr,
+    bias_ptr,
+    other_ptr,
+    residual_ptr,
+    aux_ptr,
+    out_scale_ptr,
+    amax_ptr,
+    M,
+    N,
+    K,
+    M_BUCKET,
+    stride_om,
+    stride_on,
+    stride_sa_row,
+    stride_sa_k,
+    stride_sb_k,
+    stride_sb_col,
+    stride_xm,
+    stride_xn,
+    stride_rm,
+    stride_rn,
+    stride_aux_m,
+    stride_aux_n,
+    A_ROW_BLOCK: tl.constexpr,
+    A_K_BLOCK: tl.constexpr,
+    B_K_BLOCK: tl.constexpr,
+    B_COL_BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    AUX_STAGE: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    MUL_MODE: tl.constexpr,
+    MUL_ACTIVATION: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    OUT_AMAX: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr,
+    FAST_ACCUM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EPILOGUE_SUBTILE: tl.constexpr = 1,
+    WARP_SPECIALIZE: tl.constexpr = False,
+    FLATTEN: tl.constexpr = False,
 ):
     """Persistent: program p computes tiles p, p + programs, p + 2 * programs, ... M_BUCKET is the
     autotuner's key, not used here. EPILOGUE_SUBTILE is 1, 2 or 4 column slices."""
@@ -114,8 +187,12 @@ def fp8_gemm_tma_kernel(
             b = b_desc.load([col0, k0]).T
             if PER_K_SCALES:
                 # Each K-block's partial product is promoted to fp32 with its own scales.
-                sa = _k_block_scales(scale_a_ptr, row0.to(tl.int64), k0, M, stride_sa_row, stride_sa_k, BLOCK_M, A_ROW_BLOCK, A_K_BLOCK)
-                sb = _k_block_scales(scale_b_ptr, col0.to(tl.int64), k0, N, stride_sb_col, stride_sb_k, BLOCK_N, B_COL_BLOCK, B_K_BLOCK)
+                sa = _k_block_scales(
+                    scale_a_ptr, row0.to(tl.int64), k0, M, stride_sa_row, stride_sa_k, BLOCK_M, A_ROW_BLOCK, A_K_BLOCK
+                )
+                sb = _k_block_scales(
+                    scale_b_ptr, col0.to(tl.int64), k0, N, stride_sb_col, stride_sb_k, BLOCK_N, B_COL_BLOCK, B_K_BLOCK
+                )
                 acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
             else:
                 acc = dot_accumulate(a, b, acc, FAST_ACCUM, BLOCK_K)

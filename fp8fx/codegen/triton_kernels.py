@@ -119,8 +119,19 @@ def dot_accumulate(a, b, acc, FAST_ACCUM: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def apply_scales(acc, offs_m, offs_n, mask_m, mask_n, scale_a_ptr, scale_b_ptr, stride_sa_row, stride_sb_col,
-                 A_ROW_BLOCK: tl.constexpr, B_COL_BLOCK: tl.constexpr):
+def apply_scales(
+    acc,
+    offs_m,
+    offs_n,
+    mask_m,
+    mask_n,
+    scale_a_ptr,
+    scale_b_ptr,
+    stride_sa_row,
+    stride_sb_col,
+    A_ROW_BLOCK: tl.constexpr,
+    B_COL_BLOCK: tl.constexpr,
+):
     """Dequantize a tile whose scales are constant along K: per tensor, row (of A) or column (of B)."""
     rows_a, _ka = _scale_index(offs_m, 0, A_ROW_BLOCK, 0)
     cols_b, _kb = _scale_index(offs_n, 0, B_COL_BLOCK, 0)
@@ -131,12 +142,37 @@ def apply_scales(acc, offs_m, offs_n, mask_m, mask_n, scale_a_ptr, scale_b_ptr, 
 
 @triton.jit
 def epilogue_store(
-    y, offs_m, offs_n, mask_m, mask_n,
-    out_ptr, bias_ptr, other_ptr, residual_ptr, aux_ptr, out_scale_ptr, amax_ptr,
-    stride_om, stride_on, stride_xm, stride_xn, stride_rm, stride_rn, stride_aux_m, stride_aux_n,
-    HAS_BIAS: tl.constexpr, AUX_STAGE: tl.constexpr, ACTIVATION: tl.constexpr, MUL_MODE: tl.constexpr,
-    MUL_ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_AMAX: tl.constexpr, OUT_FP8: tl.constexpr,
-    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+    y,
+    offs_m,
+    offs_n,
+    mask_m,
+    mask_n,
+    out_ptr,
+    bias_ptr,
+    other_ptr,
+    residual_ptr,
+    aux_ptr,
+    out_scale_ptr,
+    amax_ptr,
+    stride_om,
+    stride_on,
+    stride_xm,
+    stride_xn,
+    stride_rm,
+    stride_rn,
+    stride_aux_m,
+    stride_aux_n,
+    HAS_BIAS: tl.constexpr,
+    AUX_STAGE: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    MUL_MODE: tl.constexpr,
+    MUL_ACTIVATION: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    OUT_AMAX: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr,
 ):
     """The fused epilogue on a dequantized fp32 tile `y` (rows `offs_m`, columns `offs_n`, int64),
     in the fixed order of the module docstring; stores `out` (and `aux`), atomically maxes `amax`."""
@@ -185,17 +221,57 @@ def tile_position(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROU
 
 @triton.jit
 def fp8_gemm_kernel(
-    a_ptr, b_ptr, out_ptr, scale_a_ptr, scale_b_ptr,
-    bias_ptr, other_ptr, residual_ptr, aux_ptr, out_scale_ptr, amax_ptr,
-    M, N, K, M_BUCKET,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on,
-    stride_sa_row, stride_sa_k, stride_sb_k, stride_sb_col,
-    stride_xm, stride_xn, stride_rm, stride_rn, stride_aux_m, stride_aux_n,
-    A_ROW_BLOCK: tl.constexpr, A_K_BLOCK: tl.constexpr, B_K_BLOCK: tl.constexpr, B_COL_BLOCK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, AUX_STAGE: tl.constexpr, ACTIVATION: tl.constexpr, MUL_MODE: tl.constexpr,
-    MUL_ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_AMAX: tl.constexpr, OUT_FP8: tl.constexpr,
-    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr, FAST_ACCUM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    scale_a_ptr,
+    scale_b_ptr,
+    bias_ptr,
+    other_ptr,
+    residual_ptr,
+    aux_ptr,
+    out_scale_ptr,
+    amax_ptr,
+    M,
+    N,
+    K,
+    M_BUCKET,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_om,
+    stride_on,
+    stride_sa_row,
+    stride_sa_k,
+    stride_sb_k,
+    stride_sb_col,
+    stride_xm,
+    stride_xn,
+    stride_rm,
+    stride_rn,
+    stride_aux_m,
+    stride_aux_n,
+    A_ROW_BLOCK: tl.constexpr,
+    A_K_BLOCK: tl.constexpr,
+    B_K_BLOCK: tl.constexpr,
+    B_COL_BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    AUX_STAGE: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    MUL_MODE: tl.constexpr,
+    MUL_ACTIVATION: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    OUT_AMAX: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr,
+    FAST_ACCUM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """One output tile per program, operands loaded through pointers (Ada, and the fallback).
     M_BUCKET is M rounded up to a power of two: the autotuner's key, not used here."""
@@ -229,11 +305,41 @@ def fp8_gemm_kernel(
         b_ptrs += BLOCK_K * stride_bk
 
     if not PER_K_SCALES:
-        acc = apply_scales(acc, offs_m, offs_n, mask_m, mask_n, scale_a_ptr, scale_b_ptr, stride_sa_row, stride_sb_col, A_ROW_BLOCK, B_COL_BLOCK)
+        acc = apply_scales(
+            acc, offs_m, offs_n, mask_m, mask_n, scale_a_ptr, scale_b_ptr, stride_sa_row, stride_sb_col, A_ROW_BLOCK, B_COL_BLOCK
+        )
     epilogue_store(
-        acc, offs_m, offs_n, mask_m, mask_n, out_ptr, bias_ptr, other_ptr, residual_ptr, aux_ptr, out_scale_ptr, amax_ptr,
-        stride_om, stride_on, stride_xm, stride_xn, stride_rm, stride_rn, stride_aux_m, stride_aux_n,
-        HAS_BIAS, AUX_STAGE, ACTIVATION, MUL_MODE, MUL_ACTIVATION, HAS_RESIDUAL, OUT_AMAX, OUT_FP8, FP8_MAX, MANTISSA_BITS, MIN_EXPONENT,
+        acc,
+        offs_m,
+        offs_n,
+        mask_m,
+        mask_n,
+        out_ptr,
+        bias_ptr,
+        other_ptr,
+        residual_ptr,
+        aux_ptr,
+        out_scale_ptr,
+        amax_ptr,
+        stride_om,
+        stride_on,
+        stride_xm,
+        stride_xn,
+        stride_rm,
+        stride_rn,
+        stride_aux_m,
+        stride_aux_n,
+        HAS_BIAS,
+        AUX_STAGE,
+        ACTIVATION,
+        MUL_MODE,
+        MUL_ACTIVATION,
+        HAS_RESIDUAL,
+        OUT_AMAX,
+        OUT_FP8,
+        FP8_MAX,
+        MANTISSA_BITS,
+        MIN_EXPONENT,
     )
 
 
@@ -248,7 +354,9 @@ def _block_ids(COLUMNS_FIRST: tl.constexpr):
 
 
 @triton.jit
-def amax_kernel(x_ptr, amax_ptr, R, C, stride_xr, stride_xc, TILE_R: tl.constexpr, TILE_C: tl.constexpr, COLUMNS_FIRST: tl.constexpr):
+def amax_kernel(
+    x_ptr, amax_ptr, R, C, stride_xr, stride_xc, TILE_R: tl.constexpr, TILE_C: tl.constexpr, COLUMNS_FIRST: tl.constexpr
+):
     """Tensorwise amax of a 2-D tensor (any strides): one atomic max per tile."""
     pid_r, pid_c = _block_ids(COLUMNS_FIRST)
     rr = pid_r * TILE_R + tl.arange(0, TILE_R)
@@ -281,13 +389,30 @@ def _load_tile(x_ptr, rr, cc, r_end, c_end, stride_xr, stride_xc):
 
 @triton.jit
 def quantize_kernel(
-    x_ptr, out_ptr, scale_ptr, amax_ptr,
-    R, C,
-    stride_xr, stride_xc, stride_or, stride_oc, stride_sr, stride_sc,
-    ROW_BLOCK: tl.constexpr, COL_BLOCK: tl.constexpr, AMAX_GIVEN: tl.constexpr, SCALE_GIVEN: tl.constexpr,
-    FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, POWER_OF_TWO: tl.constexpr,
-    MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
-    TILE_R: tl.constexpr, TILE_C: tl.constexpr, COLUMNS_FIRST: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    amax_ptr,
+    R,
+    C,
+    stride_xr,
+    stride_xc,
+    stride_or,
+    stride_oc,
+    stride_sr,
+    stride_sc,
+    ROW_BLOCK: tl.constexpr,
+    COL_BLOCK: tl.constexpr,
+    AMAX_GIVEN: tl.constexpr,
+    SCALE_GIVEN: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MARGIN_FACTOR: tl.constexpr,
+    POWER_OF_TWO: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr,
+    TILE_R: tl.constexpr,
+    TILE_C: tl.constexpr,
+    COLUMNS_FIRST: tl.constexpr,
 ):
     """Saturating FP8 quantization of a 2-D tensor, one program per scale block (or a cast with
     given scales, SCALE_GIVEN).

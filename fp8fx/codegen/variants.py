@@ -77,8 +77,16 @@ class GemmVariant:
         a_rows, a_k = self.block_a or (0, 0)
         b_k, b_cols = self.block_b or (0, 0)
         return dict(
-            A_ROW_BLOCK=a_rows, A_K_BLOCK=a_k, B_K_BLOCK=b_k, B_COL_BLOCK=b_cols, **self.epilogue.constexprs(), OUT_FP8=out_fp8,
-            FP8_MAX=fp8_max, MANTISSA_BITS=mantissa, MIN_EXPONENT=min_exp, FAST_ACCUM=self.fast_accum,
+            A_ROW_BLOCK=a_rows,
+            A_K_BLOCK=a_k,
+            B_K_BLOCK=b_k,
+            B_COL_BLOCK=b_cols,
+            **self.epilogue.constexprs(),
+            OUT_FP8=out_fp8,
+            FP8_MAX=fp8_max,
+            MANTISSA_BITS=mantissa,
+            MIN_EXPONENT=min_exp,
+            FAST_ACCUM=self.fast_accum,
         )
 
     def with_epilogue(self, **changes) -> GemmVariant:
@@ -122,9 +130,12 @@ class QuantizeVariant:
     @property
     def name(self) -> str:
         blk = "t" if not self.block else "x".join(str(v) if v else "all" for v in self.block)
-        return f"quantize_{_SHORT[self.in_dtype]}_to_{_SHORT[self.out_dtype]}_s{blk}" + ("_p2" if self.power_of_two else "") + (
-            "_amaxin" if self.amax_given else ""
-        ) + ("_scalein" if self.scale_given else "")
+        return (
+            f"quantize_{_SHORT[self.in_dtype]}_to_{_SHORT[self.out_dtype]}_s{blk}"
+            + ("_p2" if self.power_of_two else "")
+            + ("_amaxin" if self.amax_given else "")
+            + ("_scalein" if self.scale_given else "")
+        )
 
 
 @dataclass(frozen=True)
@@ -227,7 +238,9 @@ def configs_for(target: str, variant: GemmVariant, family: str | None = None) ->
         # hold a second tile in registers beside the accumulator: at most 32 accumulator values per
         # thread keeps them from spilling (bias + GELU + pre-activation aux spilled 8-20 bytes at
         # 128x64 on sm_89 and 128x128 on sm_100a with the pointer kernel).
-        configs = tuple(c for c in configs if c.block_m * c.block_n <= 32 * 32 * c.num_warps * c.constexprs().get("EPILOGUE_SUBTILE", 1))
+        configs = tuple(
+            c for c in configs if c.block_m * c.block_n <= 32 * 32 * c.num_warps * c.constexprs().get("EPILOGUE_SUBTILE", 1)
+        )
     k_block = variant.k_block
     if k_block:
         configs = tuple(replace(c, block_k=math.gcd(c.block_k, k_block)) for c in configs)

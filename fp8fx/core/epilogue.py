@@ -48,7 +48,9 @@ ACTIVATIONS: dict[str, Activation] = {
         Activation("none", 0, _identity),
         Activation("relu", 1, torch.relu, ((aten.relu.default, ()),)),
         Activation("gelu", 2, functools.partial(F.gelu, approximate="none"), ((aten.gelu.default, (("approximate", "none"),)),)),
-        Activation("gelu_tanh", 3, functools.partial(F.gelu, approximate="tanh"), ((aten.gelu.default, (("approximate", "tanh"),)),)),
+        Activation(
+            "gelu_tanh", 3, functools.partial(F.gelu, approximate="tanh"), ((aten.gelu.default, (("approximate", "tanh"),)),)
+        ),
         Activation("silu", 4, F.silu, ((aten.silu.default, ()),)),
     )
 }
@@ -122,7 +124,15 @@ class Epilogue:
 
     def ops(self) -> int:
         """Elementwise graph ops this epilogue absorbs (each one a memory pass saved)."""
-        return sum((self.bias, self.activation != "none", self.mul != "none", self.mul == "gated" and self.mul_activation != "none", self.residual))
+        return sum(
+            (
+                self.bias,
+                self.activation != "none",
+                self.mul != "none",
+                self.mul == "gated" and self.mul_activation != "none",
+                self.residual,
+            )
+        )
 
     def constexprs(self) -> dict:
         """The kernels' epilogue constexprs: flags, and the codes of the activation table, AUX_STAGES and MUL_MODES."""

@@ -78,7 +78,9 @@ def scaled_mm_2d(
         return out[:m, :n].to(out_dtype)
     sa = _pad_to(scale_inv_a, 0, ALIGN, 1.0)
     sb = _pad_to(scale_inv_b, 1, ALIGN, 1.0) if block_b == [128, 1] else scale_inv_b
-    out = F.scaled_mm(a, b, sa, _block_recipe(block_a), sb, _block_recipe(block_b), output_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+    out = F.scaled_mm(
+        a, b, sa, _block_recipe(block_a), sb, _block_recipe(block_b), output_dtype=torch.bfloat16, use_fast_accum=fast_accum
+    )
     return out[:m, :n].to(out_dtype)
 
 
@@ -111,7 +113,22 @@ def scaled_mm_cuda(
     return out
 
 
-def fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, ep: Epilogue, fast_accum: bool):
+def fp8_gemm_triton(
+    a,
+    b,
+    scale_inv_a,
+    scale_inv_b,
+    bias,
+    other,
+    residual,
+    out_scale,
+    out_dtype,
+    aux_dtype,
+    block_a,
+    block_b,
+    ep: Epilogue,
+    fast_accum: bool,
+):
     """The generated kernel, through the launcher every device uses (GPUs, and the interpreter)."""
     from fp8fx.codegen.launch import fp8_gemm
 
@@ -124,22 +141,89 @@ def fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_s
     return out, aux, amax if amax is not None else out.new_empty(0, dtype=torch.float32)
 
 
-def fp8_gemm_cuda(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, *, gpu_kernel, fast_accum):
+def fp8_gemm_cuda(
+    a,
+    b,
+    scale_inv_a,
+    scale_inv_b,
+    bias,
+    other,
+    residual,
+    out_scale,
+    out_dtype,
+    aux_dtype,
+    block_a,
+    block_b,
+    epilogue,
+    *,
+    gpu_kernel,
+    fast_accum,
+):
     """`fp8fx::fp8_gemm` on CUDA: the kernel the graph chose."""
     ep = Epilogue.parse(epilogue)
     if gpu_kernel == "scaled_mm":  # cuBLASLt GEMM, then the epilogue as separate torch ops
         y = scaled_mm_2d(a, b, scale_inv_a, scale_inv_b, torch.float32, block_a, block_b, fast_accum=fast_accum)
         return reference.fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_dtype, ep)
-    return fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, ep, fast_accum)
+    return fp8_gemm_triton(
+        a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, ep, fast_accum
+    )
 
 
-def fp8_gemm_cpu(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, *, gpu_kernel, fast_accum):
+def fp8_gemm_cpu(
+    a,
+    b,
+    scale_inv_a,
+    scale_inv_b,
+    bias,
+    other,
+    residual,
+    out_scale,
+    out_dtype,
+    aux_dtype,
+    block_a,
+    block_b,
+    epilogue,
+    *,
+    gpu_kernel,
+    fast_accum,
+):
     """`fp8fx::fp8_gemm` on CPU tensors: a "triton" GEMM under Triton's interpreter runs the
     generated kernel as a GPU would; everything else the exact emulation."""
     if gpu_kernel == "triton" and interpreter_active():
         ep = Epilogue.parse(epilogue)
-        return fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, ep, fast_accum)
-    return reference.fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, gpu_kernel, fast_accum)
+        return fp8_gemm_triton(
+            a,
+            b,
+            scale_inv_a,
+            scale_inv_b,
+            bias,
+            other,
+            residual,
+            out_scale,
+            out_dtype,
+            aux_dtype,
+            block_a,
+            block_b,
+            ep,
+            fast_accum,
+        )
+    return reference.fp8_gemm(
+        a,
+        b,
+        scale_inv_a,
+        scale_inv_b,
+        bias,
+        other,
+        residual,
+        out_scale,
+        out_dtype,
+        aux_dtype,
+        block_a,
+        block_b,
+        epilogue,
+        gpu_kernel,
+        fast_accum,
+    )
 
 
 def cast_cuda(x: Tensor, scale: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:

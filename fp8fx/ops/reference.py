@@ -100,7 +100,9 @@ def scaled_mm(
         sa, sb = sa.expand(*sa.shape[:-1], n_k), sb.expand(*sb.shape[:-2], n_k, sb.shape[-1])
         out = None
         for i, start in enumerate(range(0, k, k_block)):
-            part = torch.matmul(a[..., start : start + k_block].to(torch.float32), b[..., start : start + k_block, :].to(torch.float32))
+            part = torch.matmul(
+                a[..., start : start + k_block].to(torch.float32), b[..., start : start + k_block, :].to(torch.float32)
+            )
             part.mul_(sa[..., i : i + 1]).mul_(sb[..., i : i + 1, :])
             out = part if out is None else out.add_(part)
     if bias is not None:

@@ -122,7 +122,9 @@ class NumericsCollector:
             _measure(self.chosen.setdefault(key, _Accumulator()), spec.chosen, left, right, reference_product, stats=True)
         for recipe, decision in spec.what_if.items():
             if decision.fp8:
-                _measure(self.what_if.setdefault((key, recipe), _Accumulator()), decision, left, right, reference_product, stats=False)
+                _measure(
+                    self.what_if.setdefault((key, recipe), _Accumulator()), decision, left, right, reference_product, stats=False
+                )
 
     def results(self) -> dict[tuple[int, str, str], GemmNumerics]:
         """(graph, site, role) -> numerics, for every probed GEMM that ran."""
@@ -143,7 +145,9 @@ class NumericsCollector:
                     for i in range(2)
                 )
             what_if = {r: (self.what_if[(key, r)].sqnr_db if (key, r) in self.what_if else None) for r in spec.what_if}
-            out[(spec.graph, spec.site, spec.role)] = GemmNumerics(acc.sqnr_db if acc else None, operands, what_if, self.batches[key])
+            out[(spec.graph, spec.site, spec.role)] = GemmNumerics(
+                acc.sqnr_db if acc else None, operands, what_if, self.batches[key]
+            )
         return out
 
 
@@ -155,7 +159,12 @@ def _quantize(x: Tensor, fmt, block: tuple, decision, acc: _Accumulator, i: int)
         scale = reference.amax_to_scale(amax, fmt.max, decision.margin, decision.power_of_two)
     else:
         d = decision.delayed
-        state = acc.delayed[i] or (torch.zeros(d.history_len), torch.ones(()), torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64))
+        state = acc.delayed[i] or (
+            torch.zeros(d.history_len),
+            torch.ones(()),
+            torch.zeros((), dtype=torch.int64),
+            torch.zeros((), dtype=torch.int64),
+        )
         scale = state[1]
         acc.delayed[i] = reference.delayed_scale_update(
             *state, amax, fmt.max, decision.margin, decision.power_of_two, d.algo.value == "most_recent", d.interval

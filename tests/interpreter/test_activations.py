@@ -31,7 +31,9 @@ def test_every_activation_runs_in_the_kernel_and_the_reference(name, where):
         expected = ACTIVATIONS[name].reference(other.clone()) * y
     if name != "none":  # values on both sides of zero: the activation changes them
         assert not torch.allclose(expected, y if where == "activation" else other * y)
-    ref, _, _ = reference.fp8_gemm(a, b, sa, sb, None, other, None, None, torch.float32, torch.float32, [], [], ep.spec(), "scaled_mm", False)
+    ref, _, _ = reference.fp8_gemm(
+        a, b, sa, sb, None, other, None, None, torch.float32, torch.float32, [], [], ep.spec(), "scaled_mm", False
+    )
     torch.testing.assert_close(ref, expected, rtol=0, atol=0)
     for family in ("pointer", "tma"):
         got, _, _ = launch.fp8_gemm(a, b, sa, sb, epilogue=ep, other=other, out_dtype=torch.float32, family=family)
