@@ -32,7 +32,9 @@ def insert_probes(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             left, right, _ = matmul_operands(gemm.node)
             if all(x.meta["val"].dtype.is_floating_point for x in (left, right)):
                 what_if = {name: decide(site, gemm, rctx) for name, rctx in recipes.items()}
-                probes.append((gemm.node, left, right, ProbeSpec(ctx.graph_index, site.name, role, annotation(gemm.node).decision, what_if)))
+                probes.append(
+                    (gemm.node, left, right, ProbeSpec(ctx.graph_index, site.name, role, annotation(gemm.node).decision, what_if))
+                )
     for node, left, right, spec in probes:
         with gm.graph.inserting_before(node):
             args = (left, [right], ctx.numerics.tap_handler, ctx.numerics.register(spec))
