@@ -80,7 +80,7 @@ def test_training_numerics_cover_every_gemm_with_what_ifs():
     assert linear and all(op.numerics is not None for op in linear)
     for op in linear:
         what_if = op.numerics.what_if
-        assert set(what_if) == set(fp8fx.core.policy.RECIPES)
+        assert set(what_if) == set(fp8fx.core.recipes.RECIPES)
         if op.precision == "fp8":
             assert 10 < op.numerics.sqnr_db < 60
             assert what_if["tensorwise"] == pytest.approx(op.numerics.sqnr_db)  # the chosen recipe

@@ -17,7 +17,7 @@ from torch import fx
 
 from fp8fx.compiler.state import state_key
 from fp8fx.core.formats import Fp8Format
-from fp8fx.core.policy import AmaxComputeAlgo
+from fp8fx.core.recipes import AmaxComputeAlgo
 from fp8fx.passes.annotation import DelayedSpec, annotate, annotation, node_annotations
 from fp8fx.passes.find_matmuls import matmul_operands
 from fp8fx.passes.graph_utils import PassContext, PassResult, add_node, fake_mode_of, node_values, strip_layout

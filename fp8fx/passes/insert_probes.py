@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fp8fx.core.policy import RECIPES, Policy
+from fp8fx.core.policy import Policy
+from fp8fx.core.recipes import RECIPES
 from fp8fx.passes.annotation import annotation
 from fp8fx.passes.assign_precision import decide
 from fp8fx.passes.find_matmuls import matmul_operands
