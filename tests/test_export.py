@@ -251,7 +251,8 @@ def test_delayed_scaling_exports_the_scale_training_ended_with(tmp_path):
     for _ in range(3):
         compiled(*inputs).float().logsumexp(-1).mean().backward()
     torch._dynamo.reset()
-    from fp8fx.compiler.state import state_for, state_key
+    from fp8fx.compiler.state import state_for
+    from fp8fx.passes.annotation import state_key
 
     scale = state_for(list(model.parameters())).get(state_key("lm_head", "output", "input")).scale.item()
     # calibration on other data (all token 0) would give another scale: the state must win

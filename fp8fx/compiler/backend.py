@@ -31,7 +31,7 @@ from fp8fx.core.policy import Policy
 from fp8fx.core.policy_yaml import as_policy
 from fp8fx.passes import REWRITE_PASSES, PassContext, run_passes
 from fp8fx.passes.annotation import annotations
-from fp8fx.passes.graph_utils import decompose_nodes
+from fp8fx.passes.graph_utils import DelayedInputs, Taps, decompose_nodes
 from fp8fx.passes.pipeline import PLANNING_PASSES
 from fp8fx.reporting.records import OpRecord, Report
 from fp8fx.reporting.traffic import non_gemm_bytes, saved_activation_bytes
@@ -294,8 +294,8 @@ class Fp8fxBackend:
 
         def plan(graph_module, *_args, **_kwargs):
             # Probes change which casts are shared, so a numerics run plans with (throwaway) probes.
-            ctx = PassContext(self.policy, numerics=NumericsCollector() if self.numerics is not None else None, overrides=dict(self.overrides),
-                              param_inputs=param_inputs)
+            taps = Taps(numerics=NumericsCollector() if self.numerics is not None else None)
+            ctx = PassContext(self.policy, overrides=dict(self.overrides), param_inputs=param_inputs, taps=taps)
             run_passes(graph_module, ctx, PLANNING_PASSES)
             raise _Planned(ctx.delayed_states)
 
@@ -316,15 +316,19 @@ class Fp8fxBackend:
         `state_keys` name the delayed-scaling states passed as the graph's last inputs."""
         kind = _graph_kind(gm)
         traffic = non_gemm_bytes(gm.graph)
-        ctx = PassContext(self.policy, fuse_epilogues=self.fuse_epilogues, kernels=self.kernels, numerics=self.numerics, graph_index=len(self.graphs),
+        taps = Taps(
             monitor=self.monitor.tap_handler if self.monitor is not None else None,
-            shadow=self.shadow.tap_handler if self.shadow is not None else None, overrides=dict(self.overrides),
-            amax_group=_amax_group_name(state) if state_keys else None, param_inputs=param_inputs,
-        )  # fmt: skip
+            shadow=self.shadow.tap_handler if self.shadow is not None else None,
+            numerics=self.numerics,
+            graph_index=len(self.graphs),
+        )
+        delayed = None
         if state_keys:
             inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and not str(n.target).startswith("tangents")]
             tail = inputs[len(inputs) - len(BUFFERS) * len(state_keys) :]
-            ctx.state_inputs = {key: tuple(tail[i * len(BUFFERS) : (i + 1) * len(BUFFERS)]) for i, key in enumerate(state_keys)}
+            states = {key: tuple(tail[i * len(BUFFERS) : (i + 1) * len(BUFFERS)]) for i, key in enumerate(state_keys)}
+            delayed = DelayedInputs(states, _amax_group_name(state))
+        ctx = PassContext(self.policy, self.fuse_epilogues, self.kernels, dict(self.overrides), param_inputs, taps, delayed)
         gm = run_passes(gm, ctx, REWRITE_PASSES)
         index = len(self.graphs)
         ops = [OpRecord.make(index, kind, ann) for ann in annotations(gm.graph)]

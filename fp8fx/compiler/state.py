@@ -21,10 +21,6 @@ STATE_ATTR = "fp8fx_state"
 BUFFERS = ("amax_history", "scale", "steps", "non_finite")
 
 
-def state_key(site: str, gemm_role: str, operand_role: str) -> str:
-    return f"{site}.{gemm_role}.{operand_role}"
-
-
 def _module_name(key: str) -> str:
     # Module names cannot hold dots; state_dict keys become fp8fx_state.<site with __>....
     return key.replace(".", "__").replace(":", "_").replace("#", "_").replace("<", "").replace(">", "")

@@ -106,6 +106,11 @@ class GemmAnnotation:
         return self.decision.fp8
 
 
+def state_key(site: str, gemm_role: str, operand_role: str) -> str:
+    """The name of one operand's delayed-scaling state (and its monitor series): `site.role.operand`."""
+    return f"{site}.{gemm_role}.{operand_role}"
+
+
 def node_annotations(node: fx.Node) -> tuple[GemmAnnotation, ...]:
     """The annotations of the GEMMs a node computes: one, or one per gradient for an op computing
     several (a convolution's backward), or none."""

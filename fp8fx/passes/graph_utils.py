@@ -41,38 +41,48 @@ class PassResult:
     modified: bool
 
 
+@dataclass(frozen=True)
+class Taps:
+    """Where the taps a pass inserts report to (`fp8fx.ops.taps` handler ids); None: none of that kind."""
+
+    monitor: int | None = None  # fp8fx.runtime.monitor.Monitor: every cast's input and scale
+    shadow: int | None = None  # fp8fx.runtime.shadow.ShadowChecks: FP8 GEMM results against high precision
+    numerics: Any = None  # fp8fx.runtime.numerics.NumericsCollector: every GEMM's operands, for analysis
+    graph_index: int = 0  # the graph being rewritten: probes are reported per graph, site and role
+
+
+@dataclass(frozen=True)
+class DelayedInputs:
+    """The graph inputs holding each delayed-scaling state: state key -> (amax_history, scale,
+    steps, non_finite), and the process group (name) each amax is reduced over (None: one process)."""
+
+    states: dict[str, tuple]
+    amax_group: str | None = None
+
+
 @dataclass
 class PassContext:
-    """State handed from pass to pass for one graph."""
+    """What the passes of one graph are given, and what they hand on to each other."""
 
+    # Given: the policy; code generation (fuse elementwise neighbours into the GEMMs, and which
+    # kernels run them on CUDA: "auto" / "triton": generated Triton kernels; "scaled_mm":
+    # torch._scaled_mm); the GEMMs shadow checks switched to high precision ((site, role) ->
+    # reason); which graph inputs hold parameters (positions among the placeholders other than
+    # tangents; None: an input whose value requires grad is one, see find_matmuls.parameter_derived).
     policy: Policy
-    sites: list = field(default_factory=list)  # MatmulSite, from find_matmuls
-    lowered: dict = field(default_factory=dict)  # GEMM node -> the op kind it was lowered from (lower_patch_convs)
-    # Delayed scaling: state key -> amax history length, filled by insert_casts; and the graph
-    # inputs holding each state's (amax_history, scale, steps, non_finite). Without the inputs
-    # (planning a compile) the casts are made with dynamic scales and only the keys are recorded.
-    delayed_states: dict[str, int] = field(default_factory=dict)
-    state_inputs: dict[str, tuple] | None = None
-    # Code generation: fuse elementwise neighbours into the GEMMs, and which kernels run them on
-    # CUDA ("auto" / "triton": generated Triton kernels; "scaled_mm": torch._scaled_mm).
     fuse_epilogues: bool = True
     kernels: str = "auto"
-    # Analysis with numerics: the fp8fx.runtime.numerics.NumericsCollector probes register with, and the
-    # index of the graph being rewritten (probes are reported per graph, site and role).
-    numerics: Any = None
-    graph_index: int = 0
-    # Runtime monitor (fp8fx.runtime.monitor): the id of the Monitor each cast's observe op reports to.
-    monitor: int | None = None
-    # Shadow checks (fp8fx.runtime.shadow): the id of the backend's ShadowChecks, and the GEMMs they
-    # switched to high precision: (site, role) -> reason.
-    shadow: int | None = None
     overrides: dict = field(default_factory=dict)
-    # Delayed scaling under torch.distributed: the process group (name) each amax is reduced over.
-    amax_group: str | None = None
-    # Which graph inputs hold parameters: positions among the placeholders other than tangents
-    # (Dynamo's example inputs that are nn.Parameter). None: an input whose value requires grad
-    # is taken for one (see find_matmuls.parameter_derived).
     param_inputs: frozenset[int] | None = None
+    taps: Taps = Taps()
+    # Delayed scaling's state inputs; without them (planning a compile) the casts are made with
+    # dynamic scales and only the states' keys are recorded.
+    delayed: DelayedInputs | None = None
+    # Handed on: the sites find_matmuls found, the GEMM nodes lower_patch_convs made (node -> the
+    # op kind it was lowered from), and the delayed states insert_casts used (key -> history length).
+    sites: list = field(default_factory=list)
+    lowered: dict = field(default_factory=dict)
+    delayed_states: dict[str, int] = field(default_factory=dict)
 
 
 def _is_dtype_cast(node: fx.Node) -> bool:

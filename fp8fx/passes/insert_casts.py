@@ -15,10 +15,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import fx
 
-from fp8fx.compiler.state import state_key
 from fp8fx.core.formats import Fp8Format
 from fp8fx.core.recipes import AmaxComputeAlgo
-from fp8fx.passes.annotation import DelayedSpec, annotate, annotation, node_annotations
+from fp8fx.passes.annotation import DelayedSpec, annotate, annotation, node_annotations, state_key
 from fp8fx.passes.find_matmuls import matmul_operands
 from fp8fx.passes.graph_utils import PassContext, PassResult, add_node, fake_mode_of, node_values, strip_layout
 from fp8fx.runtime.monitor import Monitor
@@ -72,20 +71,21 @@ class _Inserter:
             amax = self.add(fp8fx_ops.amax.default, (x, block), tag_from=tag_from)
             if spec.delayed is not None:
                 self.ctx.delayed_states[state_key] = spec.delayed.history_len
-            state = self.ctx.state_inputs[state_key] if spec.delayed is not None and self.ctx.state_inputs is not None else None
+            state = self.ctx.delayed.states[state_key] if spec.delayed is not None and self.ctx.delayed is not None else None
             if state is None:  # dynamic scaling (or planning a delayed-scaling compile)
                 scale = self.add(fp8fx_ops.amax_to_scale.default, (amax, fmt.max, spec.margin, spec.power_of_two), tag_from=tag_from)
             else:  # delayed: cast with the scale in use, then record this amax and update the state
                 scale = state[1]
                 d = spec.delayed
-                if self.ctx.amax_group is not None:  # every rank updates from the same amax
-                    amax = self.add(torch.ops._c10d_functional.all_reduce.default, (amax, "max", self.ctx.amax_group), tag_from=tag_from)
+                if self.ctx.delayed.amax_group is not None:  # every rank updates from the same amax
+                    group = self.ctx.delayed.amax_group
+                    amax = self.add(torch.ops._c10d_functional.all_reduce.default, (amax, "max", group), tag_from=tag_from)
                     amax = self.add(torch.ops._c10d_functional.wait_tensor.default, (amax,), tag_from=tag_from)
                 update_args = (*state, amax, fmt.max, spec.margin, spec.power_of_two, d.algo is AmaxComputeAlgo.MOST_RECENT, d.interval)
                 update = self.add(fp8fx_ops.delayed_scale_update.default, update_args, tag_from=tag_from)
                 new_state = [self.add(operator.getitem, (update, i), tag_from=tag_from) for i in range(len(state))]
-            if self.ctx.monitor is not None:  # the runtime monitor samples what this cast receives
-                tap_args = (scale, [x], self.ctx.monitor, Monitor.tap_key(state_key, fmt, block))
+            if self.ctx.taps.monitor is not None:  # the runtime monitor samples what this cast receives
+                tap_args = (scale, [x], self.ctx.taps.monitor, Monitor.tap_key(state_key, fmt, block))
                 scale = self.add(fp8fx_ops.tap.default, tap_args, tag_from=tag_from)
             fp8 = self.add(fp8fx_ops.cast.default, (x, scale, fmt.dtype, block), tag_from=tag_from)
             scale_inv = self.add(aten.reciprocal.default, (scale,), tag_from=tag_from)
@@ -139,11 +139,11 @@ class _Inserter:
         annotate(new, replace(ann, state_keys=(qa.state_key, qb.state_key)))
         gemm.replace_all_uses_with(new)
         self.graph.erase_node(gemm)
-        if self.ctx.shadow is not None:  # shadow check: the same product in high precision, now and then
+        if self.ctx.taps.shadow is not None:  # shadow check: the same product in high precision, now and then
             with self.graph.inserting_after(new):
                 key = ShadowChecks.key(ann.site, ann.role)
                 observed = [left, right] if bias is None else [left, right, bias]
-                check = self.add(fp8fx_ops.tap.default, (new, observed, self.ctx.shadow, key), tag_from=new)
+                check = self.add(fp8fx_ops.tap.default, (new, observed, self.ctx.taps.shadow, key), tag_from=new)
             new.replace_all_uses_with(check, delete_user_cb=lambda user: user is not check)
         return new
 

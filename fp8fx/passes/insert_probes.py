@@ -1,4 +1,4 @@
-"""insert_probes: with numerics on (`ctx.numerics`), put a probe (`fp8fx::tap(left, [right],
+"""insert_probes: with numerics on (`ctx.taps.numerics`), put a probe (`fp8fx::tap(left, [right],
 collector, key)`) in front of every GEMM so an analysis run measures what FP8 does to its operands
 (see `fp8fx.runtime.numerics`).
 
@@ -21,7 +21,8 @@ from fp8fx.runtime.numerics import ProbeSpec
 
 
 def insert_probes(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    if ctx.numerics is None:
+    numerics = ctx.taps.numerics
+    if numerics is None:
         return PassResult(gm, modified=False)
     fake_mode = fake_mode_of(gm.graph)
     recipes = {name: PassContext(Policy.from_recipe(name)) for name in RECIPES}
@@ -34,11 +35,11 @@ def insert_probes(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             if all(x.meta["val"].dtype.is_floating_point for x in (left, right)):
                 what_if = {name: decide(site, gemm, rctx) for name, rctx in recipes.items()}
                 probes.append(
-                    (gemm.node, left, right, ProbeSpec(ctx.graph_index, site.name, role, annotation(gemm.node).decision, what_if))
+                    (gemm.node, left, right, ProbeSpec(ctx.taps.graph_index, site.name, role, annotation(gemm.node).decision, what_if))
                 )
     for node, left, right, spec in probes:
         with gm.graph.inserting_before(node):
-            args = (left, [right], ctx.numerics.tap_handler, ctx.numerics.register(spec))
+            args = (left, [right], numerics.tap_handler, numerics.register(spec))
             probe = add_node(gm.graph, fake_mode, torch.ops.fp8fx.tap.default, args, tag_from=node)
         node.replace_input_with(left, probe)
     gm.recompile()

@@ -56,7 +56,7 @@ class OpRecord:
     amax_compute_algo: str | None
     interval: int | None
     state_keys: tuple[str | None, str | None] | None  # the states the operands' scales come from
-    # Code generation: the generated kernel, the fused epilogue (fp8fx.codegen.variants.Epilogue
+    # Code generation: the generated kernel, the fused epilogue (fp8fx.core.epilogue.Epilogue
     # spec), why fusion stopped where it did, and full-tensor memory passes FP8 adds over BF16
     # (amax, cast, transposing copies) and the epilogue saves (each fused elementwise op / amax).
     kernel: str | None = None
@@ -280,7 +280,7 @@ class Report:
         }
 
     def to_dict(self) -> dict[str, Any]:
-        """The report as JSON-ready data; its layout is `SCHEMA` (documented in the README)."""
+        """The report as JSON-ready data; its layout is `SCHEMA` (documented in docs/report.md)."""
         total = sum(op.flops for op in self.ops) or 1
 
         def op_dict(op: OpRecord) -> dict[str, Any]:

@@ -35,13 +35,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, fx, nn
 
-from fp8fx.compiler.state import state_for, state_key
+from fp8fx.compiler.state import state_for
 from fp8fx.core.formats import Fp8Format
 from fp8fx.core.patterns import BY_KIND
 from fp8fx.core.policy import Policy
 from fp8fx.core.recipes import Granularity
 from fp8fx.ops import reference
-from fp8fx.passes.annotation import annotation
+from fp8fx.passes.annotation import annotation, state_key
 from fp8fx.passes.assign_precision import assign_precision
 from fp8fx.passes.find_matmuls import find_matmuls, matmul_operands
 from fp8fx.passes.graph_utils import PassContext, strip_layout
