@@ -30,7 +30,7 @@ from typer.testing import CliRunner
 import fp8fx
 from fp8fx import Policy, Rule
 from fp8fx.cli import app
-from fp8fx.core.policy import RECIPES
+from fp8fx.core.recipes import RECIPES
 
 MODEL_FILE = Path(__file__).parent / "assets" / "blocks.py"
 LOADED = fp8fx.load_model_file(MODEL_FILE, real_weights=True)
@@ -75,30 +75,17 @@ POLICIES = {
     "site_glob_all_blocks": Policy(rules=(Rule(match="layers.*:mm#2", format="e4m3", gemms={"wgrad": "high"}),)),
 }
 
-# Site-name rules that tell the blocks apart: folded analysis resolves rules by module path only,
-# so it copies block 0's decisions to the block the rule names.
-FOLDING_MISSES_SITE_RULES = pytest.mark.xfail(
-    strict=True,
-    reason="folded analysis resolves rules by module path only: a rule naming one block's site (layers.1:mm#1) is not applied to that block",
-)
-TELLS_BLOCKS_APART_BY_SITE = {"site_high", "site_regex", "site_bmm", "site_delayed"}
-
-# Not slow: the policies whose compile is shared by the most tests (site_regex exports rowwise and
-# tensorwise weights, yaml_mixed E5M2 ones and high sites). The rest of the matrix is marked slow.
+# Not slow: a few policies, each compiled once and shared by the tests (site_regex exports rowwise
+# and tensorwise weights, yaml_mixed E5M2 ones and high sites, site_bmm an FP8 bmm that export
+# refuses). The rest of the matrix is marked slow.
 FAST = ["recipe_blockwise", "yaml_mixed", "site_high", "site_regex"]
-FAST_EXPORT = ["yaml_mixed", "site_regex"]
+FAST_EXPORT = ["yaml_mixed", "site_regex", "site_bmm"]
 FAST_INDUCTOR = ["site_high", "site_regex"]
 
 
-def sample(ids: list[str], folded: bool = False) -> list:
-    """Every policy; those outside `ids` marked slow, folded analysis of site rules marked xfail."""
-    params = []
-    for name in POLICIES:
-        marks = [] if name in ids else [pytest.mark.slow]
-        if folded and name in TELLS_BLOCKS_APART_BY_SITE:
-            marks.append(FOLDING_MISSES_SITE_RULES)
-        params.append(pytest.param(name, marks=marks, id=name))
-    return params
+def sample(ids: list[str]) -> list:
+    """Every policy, those outside `ids` marked slow."""
+    return [pytest.param(name, marks=[] if name in ids else [pytest.mark.slow], id=name) for name in POLICIES]
 
 
 # ------------------------------------------------------------------------------ rows and comparing
@@ -136,7 +123,7 @@ def check(got: dict, want: dict, what: str, fields=FIELDS) -> None:
     assert not found, f"{len(found)} disagreement(s):\n" + "\n".join(found)
 
 
-# ------------------------------------------------------------------------------ the five routes
+# ------------------------------------------------------------------------------ the routes
 
 
 @functools.cache
@@ -222,19 +209,20 @@ def test_unfolded_analysis_agrees_with_compile(name):
     check(rows(report.ops), compiled(name), "analyze(fold_repeated=False)")
 
 
-@pytest.mark.parametrize("name", sample(FAST, folded=True))
+@pytest.mark.parametrize("name", sample(FAST))
 def test_folded_analysis_agrees_with_compile(name):
     check(rows(analysed(name, fold=True).ops), compiled(name), "analyze(fold_repeated=True)")
 
 
 def test_folding_happens_where_the_policy_treats_blocks_alike():
-    """The folded cases above test folding: it is on for a policy blind to the blocks, off for one
-    whose module-path rule names a block."""
+    """The folded cases above test folding: it is on for a policy that treats the blocks alike
+    (also by site name), off for one whose module-path rule names a block."""
     assert analysed("recipe_blockwise", fold=True).folded == {"layers": 3}
+    assert analysed("site_glob_all_blocks", fold=True).folded == {"layers": 3}
     assert analysed("yaml_mixed", fold=True).folded == {}  # its rule `layers.0` names a block
 
 
-@pytest.mark.parametrize("name", [pytest.param("site_high", marks=FOLDING_MISSES_SITE_RULES), "yaml_mixed"])
+@pytest.mark.parametrize("name", ["site_high", "yaml_mixed"])
 def test_analyze_command_agrees_with_compile(name, tmp_path):
     policy = tmp_path / "policy.yaml"
     policy.write_text(yaml.safe_dump(POLICIES[name].to_dict(), sort_keys=False))
