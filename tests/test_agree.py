@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import random
 import re
 from pathlib import Path
 
@@ -75,17 +77,29 @@ POLICIES = {
     "site_glob_all_blocks": Policy(rules=(Rule(match="layers.*:mm#2", format="e4m3", gemms={"wgrad": "high"}),)),
 }
 
-# Not slow: a few policies, each compiled once and shared by the tests (site_regex exports rowwise
-# and tensorwise weights, yaml_mixed E5M2 ones and high sites, site_bmm an FP8 bmm that export
-# refuses). The rest of the matrix is marked slow.
+# Always run: a few policies, each compiled once and shared by the tests (site_regex exports
+# rowwise and tensorwise weights, yaml_mixed E5M2 ones and high sites, site_bmm an FP8 bmm that
+# export refuses). Of the rest, a seeded sample runs too, marked slow: FP8FX_AGREE=N policies
+# (default 2; `all` for the whole matrix), drawn with FP8FX_AGREE_SEED (default 0).
 FAST = ["recipe_blockwise", "yaml_mixed", "site_high", "site_regex"]
 FAST_EXPORT = ["yaml_mixed", "site_regex", "site_bmm"]
 FAST_INDUCTOR = ["site_high", "site_regex"]
 
 
+def _drawn() -> set[str]:
+    count = os.environ.get("FP8FX_AGREE", "2")
+    if count == "all":
+        return set(POLICIES)
+    rng = random.Random(int(os.environ.get("FP8FX_AGREE_SEED", "0")))
+    return set(rng.sample(sorted(POLICIES), min(int(count), len(POLICIES))))
+
+
+DRAWN = _drawn()
+
+
 def sample(ids: list[str]) -> list:
-    """Every policy, those outside `ids` marked slow."""
-    return [pytest.param(name, marks=[] if name in ids else [pytest.mark.slow], id=name) for name in POLICIES]
+    """The policies of `ids`, and those of the seeded sample marked slow."""
+    return [pytest.param(name, marks=[] if name in ids else [pytest.mark.slow], id=name) for name in POLICIES if name in ids or name in DRAWN]
 
 
 # ------------------------------------------------------------------------------ rows and comparing
