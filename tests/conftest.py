@@ -18,4 +18,4 @@ def _fresh_dynamo():
 
 # The Triton interpreter tests need TRITON_INTERPRET=1 before Triton is imported: test_kernels.py
 # runs them in their own process.
-collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpreter"]
+collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["codegen/interpreter"]

@@ -29,7 +29,7 @@ Row and column offsets are 64-bit wherever they meet a stride: a tensor of 2**31
 
 The integer codes of activations, aux stages and product modes are `fp8fx.core.epilogue`'s, the
 contract the graph passes and the reference ops share; `_activation` implements every activation
-of its table (tests/interpreter/test_activations.py runs each one against the torch reference).
+of its table (tests/codegen/interpreter/test_activations.py runs each one against the torch reference).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ A step (`predict_step`) is the sum of its GEMMs plus the non-GEMM time: the byte
 move (`Report.non_gemm_bytes`) at `memory_efficiency` of HBM bandwidth, the same in BF16 and FP8.
 Communication, the optimizer, recomputation and host overheads are outside the model.
 
-One set of parameters serves every target. `tests/test_costmodel.py` checks the predictions
+One set of parameters serves every target. `tests/reporting/test_costmodel.py` checks the predictions
 against published figures, each with its tolerance: TransformerEngine's GEMM-level speedups on
 H200 for a 5B-shaped layer (delayed 1.69x, current 1.57x, block 1.41x, raw kernel 1.92x; predicted
 1.70, 1.62, 1.34, 1.94), torchao's Llama3-8B training step on H100 (tensorwise 1.25x, rowwise

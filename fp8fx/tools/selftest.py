@@ -54,7 +54,7 @@ RECIPES = ("tensorwise", "rowwise", "blockwise")
 # or (GPUs: Hopper's fast accumulation, a different summation order) its SQNR is at least this.
 GEMM_SQNR_DB = 40.0
 # A whole training step passes at this SQNR: FP8 casts of later layers amplify a last-place
-# difference (a value crossing an FP8 rounding boundary), as in tests/interpreter.
+# difference (a value crossing an FP8 rounding boundary), as in tests/codegen/interpreter.
 STEP_SQNR_DB = 30.0
 AMAX_RTOL = 1e-2  # an epilogue's amax against the reference's (consistent with 40 dB)
 ULP = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float8_e4m3fn: 2**-3, torch.float8_e5m2: 2**-2}
@@ -353,7 +353,7 @@ def sqnr_db(actual: Tensor, reference: Tensor) -> float | None:
 
 def compare_tensor(out: Tensor, ref: Tensor, min_sqnr: float = GEMM_SQNR_DB) -> dict:
     """Within the output format's last place (plus a small absolute term for cancellation, as
-    tests/interpreter's close_as), or at least `min_sqnr` dB."""
+    tests/codegen/interpreter's close_as), or at least `min_sqnr` dB."""
     if tuple(out.shape) != tuple(ref.shape) or out.dtype != ref.dtype:
         return dict(passed=False, error=f"got {out.dtype} {tuple(out.shape)}, expected {ref.dtype} {tuple(ref.shape)}")
     o, r = out.detach().cpu().float(), ref.detach().cpu().float()

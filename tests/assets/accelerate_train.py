@@ -1,5 +1,5 @@
 """A few training steps of fp8fx's demo transformer, compiled with fp8fx, through Accelerate or
-without it; writes each rank's losses as JSON. Run by tests/test_integration_accelerate.py:
+without it; writes each rank's losses as JSON. Run by tests/integrations/test_integration_accelerate.py:
 
     python accelerate_train.py --mode plain OUT          # one process, no Accelerate
     python accelerate_train.py --mode accelerate OUT     # Accelerator(cpu=True), one process

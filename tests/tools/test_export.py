@@ -21,7 +21,7 @@ from fp8fx.tools.analyze import load_model_file
 from fp8fx.tools.demo import TinyTransformer
 from fp8fx.tools.export import ExportError, export_onnx
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parents[1] / "assets"
 E4M3 = onnx.TensorProto.FLOAT8E4M3FN
 
 

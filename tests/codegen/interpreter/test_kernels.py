@@ -1,6 +1,6 @@
 """The generated Triton kernels, run by Triton's interpreter on the CPU against the reference ops.
 
-Runs only with TRITON_INTERPRET=1 set before import (tests/test_kernels.py starts it that way).
+Runs only with TRITON_INTERPRET=1 set before import (tests/codegen/test_kernels.py starts it that way).
 FP8 operands are made by torch, never by the interpreter's own FP8 conversion."""
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def case_seed(*parts) -> int:
 
 @pytest.mark.parametrize("blocks,epilogue,out_dtype,formats", CASES, ids=lambda v: getattr(v, "spec", lambda: str(v))() or "plain")
 def test_gemm_variant_matches_reference(blocks, epilogue, out_dtype, formats):
-    """The pointer kernel (Ada's, and the fallback); tests/interpreter/test_tma.py runs the TMA one."""
+    """The pointer kernel (Ada's, and the fallback); tests/codegen/interpreter/test_tma.py runs the TMA one."""
     shape = (40, 144, 256)  # partial tiles in M and N, two 128-K-blocks
     got, ref = run_both(blocks, epilogue, out_dtype, shape, formats, False, case_seed(blocks, epilogue.spec()), "pointer")
     assert_matches(epilogue, got, ref)

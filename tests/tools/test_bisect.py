@@ -13,7 +13,7 @@ import fp8fx
 from fp8fx.cli import app
 from fp8fx.tools.bisect import bisect
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parents[1] / "assets"
 # Layer "2" casts with its scale divided by 2**24: every forward value underflows to zero in E4M3.
 PLANTED = "version: 1\nrules:\n  - match: '2'\n    margin: 24\n"
 

@@ -5,7 +5,7 @@ dtypes, fast_accum and shapes sampled alongside: partial tiles in M, N and K, on
 and more tiles than the interpreter's 3 persistent programs. The interpreter config (32 x 32 x 32,
 EPILOGUE_SUBTILE=2) runs the tile loop and the epilogue's column slices.
 
-Runs only with TRITON_INTERPRET=1 set before import (tests/test_kernels.py starts it that way)."""
+Runs only with TRITON_INTERPRET=1 set before import (tests/codegen/test_kernels.py starts it that way)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 import fp8fx
 from fp8fx.cli import app
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parents[1] / "assets"
 
 
 def run(*args):

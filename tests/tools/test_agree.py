@@ -34,7 +34,7 @@ from fp8fx import Policy, Rule
 from fp8fx.cli import app
 from fp8fx.core.recipes import RECIPES
 
-MODEL_FILE = Path(__file__).parent / "assets" / "blocks.py"
+MODEL_FILE = Path(__file__).parents[1] / "assets" / "blocks.py"
 LOADED = fp8fx.load_model_file(MODEL_FILE, real_weights=True)
 
 # Every field of a decision (OpRecord): what runs in FP8 and how.

@@ -1,7 +1,7 @@
 """Every activation of the one table (`fp8fx.core.epilogue.ACTIVATIONS`) is implemented by the
 generated kernel (run by Triton's interpreter) and by the reference op, as the table's torch function.
 
-Runs only with TRITON_INTERPRET=1 set before import (tests/test_kernels.py starts it that way)."""
+Runs only with TRITON_INTERPRET=1 set before import (tests/codegen/test_kernels.py starts it that way)."""
 
 from __future__ import annotations
 

@@ -15,13 +15,13 @@ from fp8fx.codegen.targets import build_all, coverage_variants
 from fp8fx.codegen.variants import GPU_TARGETS, configs_for
 from fp8fx.passes.annotation import annotation
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 
 def test_kernels_match_reference_under_the_interpreter():
-    """tests/interpreter, in a process started with TRITON_INTERPRET=1 (it must precede the import)."""
+    """tests/codegen/interpreter, in a process started with TRITON_INTERPRET=1 (it must precede the import)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:logging", "-p", "no:cacheprovider", str(ROOT / "tests" / "interpreter")]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:logging", "-p", "no:cacheprovider", str(ROOT / "tests" / "codegen" / "interpreter")]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
@@ -43,7 +43,7 @@ def model_variants() -> list:
 def test_every_generated_variant_builds_for_ada_hopper_and_blackwell():
     variants = list(dict.fromkeys(coverage_variants() + model_variants()))
     assert len(variants) >= 16
-    results = build_all(variants, families=("pointer",))  # the TMA family: tests/test_kernel_build.py
+    results = build_all(variants, families=("pointer",))  # the TMA family: tests/codegen/test_kernel_build.py
     assert len(results) == 3 * len(variants)
     gemms = [r for r in results if r.kernel.startswith("fp8_gemm")]
     bad = [r for r in results if not r.ok or (r in gemms and r.fp8_mma is None)]

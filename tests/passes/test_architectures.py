@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-spec = importlib.util.spec_from_file_location("bench_architectures", Path(__file__).parents[1] / "bench" / "architectures.py")
+spec = importlib.util.spec_from_file_location("bench_architectures", Path(__file__).parents[2] / "bench" / "architectures.py")
 architectures = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(architectures)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("accelerate")
-SCRIPT = Path(__file__).parent / "assets" / "accelerate_train.py"
+SCRIPT = Path(__file__).parents[1] / "assets" / "accelerate_train.py"
 
 
 def free_port() -> int:

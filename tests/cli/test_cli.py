@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 import fp8fx
 from fp8fx.cli import app
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parents[1] / "assets"
 
 
 def test_demo_trains_and_prints_the_report():

@@ -1,6 +1,6 @@
 """The launch path a GPU takes, built on the CPU: the autotuner of every variant on every target,
 the grids of the largest shapes, and the autotune key. (The interpreter tests run the same
-launcher on CPU tensors; tests/test_kernel_build.py compiles each config for the GPUs.)"""
+launcher on CPU tensors; tests/codegen/test_kernel_build.py compiles each config for the GPUs.)"""
 
 from __future__ import annotations
 
