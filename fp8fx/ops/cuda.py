@@ -113,22 +113,8 @@ def scaled_mm_cuda(
     return out
 
 
-def fp8_gemm_triton(
-    a,
-    b,
-    scale_inv_a,
-    scale_inv_b,
-    bias,
-    other,
-    residual,
-    out_scale,
-    out_dtype,
-    aux_dtype,
-    block_a,
-    block_b,
-    ep: Epilogue,
-    fast_accum: bool,
-):
+def fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, ep: Epilogue,
+                    fast_accum: bool):  # fmt: skip
     """The generated kernel, through the launcher every device uses (GPUs, and the interpreter)."""
     from fp8fx.codegen.launch import fp8_gemm
 
@@ -141,89 +127,25 @@ def fp8_gemm_triton(
     return out, aux, amax if amax is not None else out.new_empty(0, dtype=torch.float32)
 
 
-def fp8_gemm_cuda(
-    a,
-    b,
-    scale_inv_a,
-    scale_inv_b,
-    bias,
-    other,
-    residual,
-    out_scale,
-    out_dtype,
-    aux_dtype,
-    block_a,
-    block_b,
-    epilogue,
-    *,
-    gpu_kernel,
-    fast_accum,
-):
-    """`fp8fx::fp8_gemm` on CUDA: the kernel the graph chose."""
+def fp8_gemm_cuda(*args, gpu_kernel: str, fast_accum: bool):
+    """`fp8fx::fp8_gemm` on CUDA (its positional arguments: the operands, then the epilogue spec):
+    the kernel the graph chose."""
+    *operands, epilogue = args
     ep = Epilogue.parse(epilogue)
     if gpu_kernel == "scaled_mm":  # cuBLASLt GEMM, then the epilogue as separate torch ops
+        a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b = operands
         y = scaled_mm_2d(a, b, scale_inv_a, scale_inv_b, torch.float32, block_a, block_b, fast_accum=fast_accum)
         return reference.fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_dtype, ep)
-    return fp8_gemm_triton(
-        a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, ep, fast_accum
-    )
+    return fp8_gemm_triton(*operands, ep, fast_accum)
 
 
-def fp8_gemm_cpu(
-    a,
-    b,
-    scale_inv_a,
-    scale_inv_b,
-    bias,
-    other,
-    residual,
-    out_scale,
-    out_dtype,
-    aux_dtype,
-    block_a,
-    block_b,
-    epilogue,
-    *,
-    gpu_kernel,
-    fast_accum,
-):
+def fp8_gemm_cpu(*args, gpu_kernel: str, fast_accum: bool):
     """`fp8fx::fp8_gemm` on CPU tensors: a "triton" GEMM under Triton's interpreter runs the
     generated kernel as a GPU would; everything else the exact emulation."""
     if gpu_kernel == "triton" and interpreter_active():
-        ep = Epilogue.parse(epilogue)
-        return fp8_gemm_triton(
-            a,
-            b,
-            scale_inv_a,
-            scale_inv_b,
-            bias,
-            other,
-            residual,
-            out_scale,
-            out_dtype,
-            aux_dtype,
-            block_a,
-            block_b,
-            ep,
-            fast_accum,
-        )
-    return reference.fp8_gemm(
-        a,
-        b,
-        scale_inv_a,
-        scale_inv_b,
-        bias,
-        other,
-        residual,
-        out_scale,
-        out_dtype,
-        aux_dtype,
-        block_a,
-        block_b,
-        epilogue,
-        gpu_kernel,
-        fast_accum,
-    )
+        *operands, epilogue = args
+        return fp8_gemm_triton(*operands, Epilogue.parse(epilogue), fast_accum)
+    return reference.fp8_gemm(*args, gpu_kernel, fast_accum)
 
 
 def cast_cuda(x: Tensor, scale: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:

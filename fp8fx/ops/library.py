@@ -48,23 +48,8 @@ def fp8_gemm(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`reference.fp8_gemm`. How a GPU runs it is keyword-only: `gpu_kernel` (the reference's `kernel`) and
     `fast_accum`; the CPU emulation is the same for every value."""
-    return reference.fp8_gemm(
-        a,
-        b,
-        scale_inv_a,
-        scale_inv_b,
-        bias,
-        other,
-        residual,
-        out_scale,
-        out_dtype,
-        aux_dtype,
-        block_a,
-        block_b,
-        epilogue,
-        gpu_kernel,
-        fast_accum,
-    )
+    return reference.fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b,
+                              epilogue, gpu_kernel, fast_accum)  # fmt: skip
 
 
 @amax.register_fake
@@ -94,24 +79,8 @@ def _(amax_history, scale, steps, non_finite, amax, fp8_max, margin, power_of_tw
 
 
 @fp8_gemm.register_fake
-def _(
-    a,
-    b,
-    scale_inv_a,
-    scale_inv_b,
-    bias,
-    other,
-    residual,
-    out_scale,
-    out_dtype,
-    aux_dtype,
-    block_a,
-    block_b,
-    epilogue,
-    *,
-    gpu_kernel,
-    fast_accum,
-):
+def _(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, *, gpu_kernel,
+      fast_accum):  # fmt: skip
     reference.check_scaled_mm_args(a, b, scale_inv_a, scale_inv_b, block_a, block_b)
     ep = Epilogue.parse(epilogue)
     shape = (*a.shape[:-1], b.shape[-1])

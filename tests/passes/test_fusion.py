@@ -6,8 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers import FP8_GEMM, SCALED_MM, GatedBlock, count, sqnr, tiny_gpt2, tiny_llama
-from test_training import GRAD_SQNR_DB, OUTPUT_SQNR_DB
+from helpers import FP8_GEMM, GRAD_SQNR_DB, OUTPUT_SQNR_DB, SCALED_MM, GatedBlock, count, sqnr, tiny_gpt2, tiny_llama
 
 import fp8fx
 
