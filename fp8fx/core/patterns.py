@@ -1,9 +1,9 @@
 """The matrix products fp8fx knows, as data: one row per pattern.
 
 A row says where an op's operands are, how its dimensions are read, whether a policy can enable
-it for FP8 and under which op kind, and whether ONNX export can write it. `find_matmuls`,
-`assign_precision`, `verify`, the policy's op kinds, analysis, export and the backend's list of
-ops kept whole through decomposition all read this table; a new GEMM form is a new row (plus,
+it for FP8 and under which op kind, whether ONNX export can write it, and how the cost model
+times it. `find_matmuls`, `assign_precision`, the policy's op kinds, analysis, export, the cost
+model and the backend's list of ops kept whole through decomposition all read this table; a new GEMM form is a new row (plus,
 for an FP8 form, its lowering).
 
 Dimensions: the left operand is [batch?, M, K], the right [batch?, K, N]; `batched` rows have the
@@ -32,6 +32,7 @@ class GemmPattern:
     rewrite: str | None = "scaled_mm"  # how an FP8 decision is lowered (None: it always stays high)
     exportable: bool = False  # ONNX QDQ export writes it in FP8 (a weight on the right)
     high_reason: str = ""  # why a pattern that is never rewritten stays high
+    cost: str = "gemm"  # how the cost model times it: "gemm" (waves of tiles), "fused_attention", "implicit_gemm"
 
 
 _ADDBMM = "aten.addbmm sums its batch of products into one matrix, which fp8fx does not rewrite; its backward GEMMs are bmms (policy op kind bmm)"
@@ -46,9 +47,9 @@ PATTERNS: tuple[GemmPattern, ...] = (
     # A patch convolution lowered to a GEMM (fp8fx.passes.lower_patch_convs): mm / addmm nodes.
     GemmPattern("conv_patch", None, policy_kind="conv_patch"),
     # Fused attention kernels (every _scaled_dot_product_* op): high, their FLOPs reported.
-    GemmPattern("sdpa", None, rewrite=None),
+    GemmPattern("sdpa", None, rewrite=None, cost="fused_attention"),
     # Convolutions and their backward: high, as implicit GEMMs (see find_matmuls).
-    GemmPattern("conv", aten.convolution.default, rewrite=None),
+    GemmPattern("conv", aten.convolution.default, rewrite=None, cost="implicit_gemm"),
 )
 
 BY_TARGET: dict[OpOverload, GemmPattern] = {p.target: p for p in PATTERNS if p.target is not None and p.kind != "conv"}

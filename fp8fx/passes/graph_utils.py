@@ -110,6 +110,12 @@ def strip_layout(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     return node, chain[::-1]
 
 
+def op_args(node: fx.Node) -> dict[str, Any]:
+    """A call's arguments by their names in the operator's schema, positional and keyword alike."""
+    named = {arg.name: value for arg, value in zip(node.target._schema.arguments, node.args)}
+    return {**named, **node.kwargs}
+
+
 def fake_mode_of(graph: fx.Graph):
     vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
     mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])

@@ -8,7 +8,7 @@ from torch import fx
 from fp8fx.core.formats import fp8_format_of
 from fp8fx.core.scaling import scale_shape
 from fp8fx.passes.annotation import annotation, annotations, fp8_gemm_nodes
-from fp8fx.passes.graph_utils import PassContext, PassResult
+from fp8fx.passes.graph_utils import PassContext, PassResult, op_args
 
 
 class VerifyError(RuntimeError):
@@ -38,9 +38,8 @@ def verify(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if "val" not in node.meta and node.op != "output" and not _returns_nothing(node):
             raise VerifyError(f"node without meta['val']: {node.format_node()}")
     for node in scaled:
-        a, b, sa, sb = node.args[:4]
-        block_a, block_b = (node.args[6], node.args[7]) if node.target is torch.ops.fp8fx.scaled_mm.default else (node.args[10], node.args[11])
-        for x, s, block in ((a, sa, block_a), (b, sb, block_b)):
+        args = op_args(node)
+        for x, s, block in ((args["a"], args["scale_inv_a"], args["block_a"]), (args["b"], args["scale_inv_b"], args["block_b"])):
             try:
                 fp8_format_of(x.meta["val"].dtype)
             except ValueError as e:

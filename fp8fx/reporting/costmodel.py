@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from fp8fx.core.patterns import BY_KIND
 from fp8fx.reporting.records import OpRecord
 
 TILE = 128  # output tile edge (both formats): the unit of wave quantization
@@ -194,10 +195,11 @@ def predict(op: OpRecord, gpu: GpuSpec) -> Prediction | None:
     if not all(isinstance(d, int) for d in dims):
         return None
     m, n, k, batch = dims
-    if op.op == "sdpa":  # one fused kernel: its counted FLOPs at the GEMM efficiency, scores never stored
+    cost = BY_KIND[op.op].cost if op.op in BY_KIND else "gemm"
+    if cost == "fused_attention":  # one fused kernel: its counted FLOPs at the GEMM efficiency, scores never stored
         bf16 = gpu.launch_us + op.flops / (gpu.bf16_tflops * 1e6 * gpu.gemm_efficiency)
         return Prediction(bf16, bf16, 0.0)
-    if op.op == "conv" and batch > 1:  # grouped: `batch` tiny GEMMs in one memory-bound kernel, not waves of tiles each
+    if cost == "implicit_gemm" and batch > 1:  # grouped: `batch` tiny GEMMs in one memory-bound kernel, not waves of tiles each
         compute = op.flops / (gpu.bf16_tflops * 1e6 * gpu.gemm_efficiency)
         bf16 = gpu.launch_us + max(compute, gpu.stream_us(batch * (m * k + k * n + m * n) * HIGH_BYTES))
         return Prediction(bf16, bf16, 0.0)
