@@ -3,8 +3,8 @@
 A row says where an op's operands are, how its dimensions are read, whether a policy can enable
 it for FP8 and under which op kind, whether ONNX export can write it, and how the cost model
 times it. `find_matmuls`, `assign_precision`, the policy's op kinds, analysis, export, the cost
-model and the backend's list of ops kept whole through decomposition all read this table; a new GEMM form is a new row (plus,
-for an FP8 form, its lowering).
+model and the backend's list of ops kept whole through decomposition all read this table; a new
+GEMM form is a new row (plus, for an FP8 form, its lowering).
 
 Dimensions: the left operand is [batch?, M, K], the right [batch?, K, N]; `batched` rows have the
 leading batch dimension.
