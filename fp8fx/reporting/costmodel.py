@@ -206,7 +206,10 @@ def predict(op: OpRecord, gpu: GpuSpec) -> Prediction | None:
     bf16 = gpu.gemm_us(m, n, k, batch, gpu.bf16_tflops, HIGH_BYTES)
     if op.precision != "fp8":
         return Prediction(bf16, bf16, 0.0)
-    rate = {"rowwise": gpu.rowwise_efficiency, "blockwise": gpu.blockwise_efficiency}.get(op.granularity, 1.0)
+    rates = {"tensorwise": 1.0, "rowwise": gpu.rowwise_efficiency, "blockwise": gpu.blockwise_efficiency}
+    if op.granularity not in rates:
+        raise ValueError(f"fp8fx cost model: no main-loop rate for {op.granularity} FP8 GEMMs ({op.site}.{op.role})")
+    rate = rates[op.granularity]
     gemm = gpu.gemm_us(m, n, k, batch, gpu.fp8_tflops * rate, 1)
     passes = _passes_us(op, gpu, (batch * m * k, batch * k * n))
     return Prediction(bf16, gemm + passes, passes)

@@ -137,6 +137,8 @@ def _quantized_weight(w: Tensor, decision, dtype: torch.dtype, opset: int, site:
         return fp8, scale_inv.reshape(()), 1, 0
     if decision.granularity is Granularity.ROWWISE:  # one scale per output channel (column of K x N)
         return fp8, scale_inv.reshape(-1).contiguous(), 1, 0
+    if decision.granularity is not Granularity.BLOCKWISE:
+        raise ExportError(f"site {site}: {decision.granularity.value} weight scales have no ONNX export; keep the site high or use another granularity")
     if opset < BLOCKED_OPSET:
         raise ExportError(f"site {site}: blockwise weight scales need opset {BLOCKED_OPSET} or newer (DequantizeLinear block_size); got --opset {opset}")
     # 128 x 128 blocks -> blocks of 128 along K, one scale per column (repeated over the block's columns)
