@@ -269,3 +269,8 @@ def test_bad_gpu_names_the_problem_and_the_targets(spec, problem):
         gpu(spec)
     message = str(error.value)
     assert problem in message and all(name in message for name in TARGETS), message
+
+
+def test_a_granularity_without_a_rate_is_named():
+    with pytest.raises(ValueError, match=r"^fp8fx cost model: no main-loop rate for mx1x32 FP8 GEMMs \(x.output\)$"):
+        predict(record("output", 64, 64, 64, ("input", "weight"), granularity="mx1x32"), gpu("h100"))

@@ -336,3 +336,15 @@ def test_export_is_silent_in_eval_mode_and_keeps_the_modules_modes(tmp_path):
     assert [str(w.message) for w in caught] == []
     assert [m.training for m in model.modules()] == [True, True, False, True]
     assert cli.exit_code == 0 and cli.stderr == "" and "wrote" in cli.stdout
+
+
+def test_a_weight_granularity_export_has_no_layout_for_is_refused():
+    from types import SimpleNamespace
+
+    from fp8fx.core.formats import Fp8Format
+    from fp8fx.tools.export import _quantized_weight
+
+    decision = SimpleNamespace(granularity=SimpleNamespace(value="mx1x32"), formats=(Fp8Format.E4M3,) * 2,
+                               blocks=((1, 32), (32, 1)), margin=0, power_of_two=True)  # fmt: skip
+    with pytest.raises(ExportError, match=r"^site lin: mx1x32 weight scales have no ONNX export; keep the site high"):
+        _quantized_weight(torch.randn(64, 32), decision, torch.float32, 21, "lin")
