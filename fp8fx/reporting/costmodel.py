@@ -70,9 +70,17 @@ class GpuSpec:
     # Fraction of the dense peak a GEMM's main loop sustains. With the tile overhead and wave
     # quantization below, large BF16 GEMMs come out at about 0.75 of peak (740-750 TFLOP/s on H100
     # SXM, near what cuBLAS is commonly measured at); FP8 kernels at the same fraction of theirs.
-    gemm_efficiency: float = 0.8
+    gemm_efficiency: float = 0.72
     # Fraction of HBM bandwidth a streaming kernel (amax, cast, transpose, elementwise) reaches.
     memory_efficiency: float = 0.85
+    # Fraction of HBM bandwidth the amax / cast / transpose passes FP8 adds reach. Measured
+    # quantize kernels sit below a plain copy: torchao's MXFP8 quantize on B200 at 74-82% of
+    # bandwidth (PUBLISHED.md C, by its own byte count), and TE's quantization on B300 costs
+    # (autocast minus pre-quantized per-layer time) more than 0.85 of bandwidth would give.
+    cast_efficiency: float = 0.7
+    # Hopper's FP8 tensor cores read both operands K-major: GEMMs that read an operand the other
+    # way need a transposed FP8 copy of it (tensorwise). Blackwell's read either major: no copies.
+    fp8_transposes: bool = True
     # Launching one kernel and draining it: what a small kernel costs however little it does.
     launch_us: float = 3.0
     # Per wave of tiles, time outside the main loop (pipeline fill, output-tile store): at K=4096
@@ -83,9 +91,22 @@ class GpuSpec:
     # (pytorch/pytorch#147971). Blockwise (FP32 promotion every 128 of K): between FBGEMM's 2024
     # kernel (~75% of its rowwise one, pytorch/FBGEMM#2546) and DeepGEMM (up to 1550 TFLOP/s on H800).
     rowwise_efficiency: float = 0.9
-    blockwise_efficiency: float = 0.85
+    blockwise_efficiency: float = 0.95
+    # MXFP8 (1x32 blocks, E8M0 scales) on Blackwell: the tensor cores apply the block scales
+    # (tcgen05 block-scaled MMA), so the main loop runs near the tensorwise rate. TE's pre-quantized
+    # per-layer totals on B300 (PUBLISHED.md A: MXFP8 7.161 ms vs FP8 current 6.812) put it at 0.95.
+    mx_efficiency: float = 0.95
+    # Dense NVFP4 (E2M1, 1x16 blocks of E4M3 scales) peak; None: twice the FP8 peak. NVFP4 kernels
+    # run their main loop at `nvfp4_efficiency` of it: TE's pre-quantized B300 layer (3.764 ms vs
+    # 6.812 FP8 current, 1.81x where the peaks give 2x) puts it at 0.9.
+    fp4_tflops: float | None = None
+    nvfp4_efficiency: float = 0.9
 
-    def gemm_us(self, m: int, n: int, k: int, batch: int, tflops: float, operand_bytes: int) -> float:
+    @property
+    def nvfp4_tflops(self) -> float:
+        return self.fp4_tflops if self.fp4_tflops is not None else 2 * self.fp8_tflops
+
+    def gemm_us(self, m: int, n: int, k: int, batch: int, tflops: float, operand_bytes: float) -> float:
         """One GEMM (left m x k, right k x n, `batch` of them) at `tflops` dense peak."""
         tiles = max(1, batch * math.ceil(m / TILE) * math.ceil(n / TILE))
         splits = max(1, min(self.sms // tiles, k // SPLIT_K_MIN)) if tiles < self.sms else 1
@@ -100,14 +121,21 @@ class GpuSpec:
         return nbytes / (self.hbm_tbps * 1e6 * self.memory_efficiency)
 
     def pass_us(self, nbytes: float) -> float:
-        """One memory-bound kernel moving `nbytes`."""
-        return self.launch_us + self.stream_us(nbytes)
+        """One amax, cast or transpose kernel moving `nbytes`."""
+        return self.launch_us + nbytes / (self.hbm_tbps * 1e6 * self.cast_efficiency)
 
 
-# Dense peaks and bandwidths from NVIDIA's datasheets (the sparse figures halved): H100 Tensor Core
-# GPU datasheet (SXM5 and PCIe columns), H200 datasheet (SXM), H800 SXM5 product sheet (H100 SXM
-# compute, 3.35 TB/s), HGX B200 datasheet (1,000 W: 4.5 PFLOP/s FP8, 2.25 BF16, 7.7 TB/s);
-# SM counts from the Hopper whitepaper (132 SXM, 114 PCIe) and B200's 148.
+# Dense peaks and bandwidths from NVIDIA's datasheets (the sparse figures halved), as remembered:
+# no datasheet was at hand when the Blackwell rows were added, so those are the figures as best
+# known, cross-checked only against what the published kernel times imply. H100 Tensor Core GPU
+# datasheet (SXM5 and PCIe columns), H200 datasheet (SXM), H800 SXM5 product sheet (H100 SXM
+# compute, 3.35 TB/s); SM counts from the Hopper whitepaper (132 SXM, 114 PCIe).
+# Blackwell: HGX B200 datasheet (1,000 W: 4.5 PFLOP/s FP8, 2.25 BF16, 9 FP4, 7.7 TB/s); HGX B300
+# (4.5 FP8, 2.25 BF16, 8 TB/s); GB200 NVL72 per GPU (1,200 W: 5 FP8, 2.5 BF16, 10 FP4, 8 TB/s);
+# 148 SMs on each (B300's count is assumed equal to B200's). FP4 is twice FP8 on B200 and GB200.
+# B300 (Blackwell Ultra) is advertised with a higher dense FP4 peak (about 1.5x B200's); the
+# published TE NVFP4 GEMM times on B300 (PUBLISHED.md A: 5.1 PFLOP/s over a pre-quantized layer)
+# fit twice FP8 at the FP8 kernels' fraction of peak, not the higher figure, so B300 keeps 2x.
 _H100_SXM = GpuSpec("h100-sxm", fp8_tflops=1979, bf16_tflops=989, hbm_tbps=3.35, sms=132)
 TARGETS: dict[str, GpuSpec] = {
     "h100": _H100_SXM,
@@ -115,7 +143,9 @@ TARGETS: dict[str, GpuSpec] = {
     "h100-pcie": GpuSpec("h100-pcie", fp8_tflops=1513, bf16_tflops=756, hbm_tbps=2.0, sms=114),
     "h200": GpuSpec("h200", fp8_tflops=1979, bf16_tflops=989, hbm_tbps=4.8, sms=132),
     "h800": GpuSpec("h800", fp8_tflops=1979, bf16_tflops=989, hbm_tbps=3.35, sms=132),
-    "b200": GpuSpec("b200", fp8_tflops=4500, bf16_tflops=2250, hbm_tbps=7.7, sms=148),
+    "b200": GpuSpec("b200", fp8_tflops=4500, bf16_tflops=2250, hbm_tbps=7.7, sms=148, fp8_transposes=False, fp4_tflops=9000),
+    "b300": GpuSpec("b300", fp8_tflops=4500, bf16_tflops=2250, hbm_tbps=8.0, sms=148, fp8_transposes=False, fp4_tflops=9000),
+    "gb200": GpuSpec("gb200", fp8_tflops=5000, bf16_tflops=2500, hbm_tbps=8.0, sms=148, fp8_transposes=False, fp4_tflops=10000),
 }
 
 _SPEC_KEYS = {"fp8": "fp8_tflops", "bf16": "bf16_tflops", "bw": "hbm_tbps", "sms": "sms"}
@@ -173,24 +203,57 @@ _TRANSPOSED = {("grad_input", "weight"), ("grad_weight", "grad_output"), ("grad_
 _CAST_ON = {"input": "output", "weight": "output", "grad_output": "grad_input"}
 
 
+# Bytes a cast writes per element: the low-precision element and its share of the scales (MXFP8:
+# one E8M0 byte per 32 elements; NVFP4: half a byte, one E4M3 byte per 16).
+_CAST_WRITE = {"fp8": 1.0, "mx": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
+
+
+def _is_nvfp4(op: OpRecord) -> bool:
+    return op.formats is not None and "nvfp4" in op.formats
+
+
 def _passes_us(op: OpRecord, gpu: GpuSpec, numels: tuple[int, int]) -> float:
-    def cast(numel: int) -> float:  # amax pass (dynamic scaling only), then read BF16 and write FP8
-        amax = gpu.pass_us(HIGH_BYTES * numel) if op.scaling != "delayed" else 0.0
-        return amax + gpu.pass_us((HIGH_BYTES + 1) * numel)
+    kind = "nvfp4" if _is_nvfp4(op) else "mx" if op.granularity == "mx" else "fp8"
+
+    def cast(numel: int) -> float:
+        # An amax pass first where the scale needs the whole tensor's amax: dynamic FP8 scaling, and
+        # NVFP4's per-tensor second-level scale. MXFP8's block amax is taken inside the cast, and
+        # delayed scaling takes the amax inside the cast. Then read BF16 and write the cast.
+        whole_amax = kind == "nvfp4" or (kind == "fp8" and op.scaling != "delayed")
+        amax = gpu.pass_us(HIGH_BYTES * numel) if whole_amax else 0.0
+        return amax + gpu.pass_us((HIGH_BYTES + _CAST_WRITE[kind]) * numel)
 
     total = 0.0
     for operand, numel in zip(op.operands, numels):
+        if op.graph_kind == "inference" and operand == "weight":
+            continue  # quantized once when the model is converted, not per call
         if op.granularity != "tensorwise":  # every GEMM casts its own operands
             total += cast(numel)
-        elif (op.role, operand) in _TRANSPOSED:
+        elif gpu.fp8_transposes and (op.role, operand) in _TRANSPOSED:
             total += gpu.pass_us(2 * numel)  # read the FP8 copy, write it transposed
         elif _CAST_ON.get(operand, op.role) == op.role:
             total += cast(numel)
     return total
 
 
+def _main_loop(op: OpRecord, gpu: GpuSpec) -> tuple[float, float]:
+    """The peak an FP8/FP4 GEMM's main loop runs at (TFLOP/s) and its operands' bytes an element."""
+    if _is_nvfp4(op):
+        if op.formats != ("nvfp4", "nvfp4"):
+            raise ValueError(
+                f"fp8fx cost model: no rate for a GEMM of {op.formats[0]} x {op.formats[1]} operands ({op.site}.{op.role})"
+            )
+        return gpu.nvfp4_tflops * gpu.nvfp4_efficiency, 0.5
+    rates = {"tensorwise": 1.0, "rowwise": gpu.rowwise_efficiency, "blockwise": gpu.blockwise_efficiency, "mx": gpu.mx_efficiency}
+    if op.granularity not in rates:
+        raise ValueError(f"fp8fx cost model: no main-loop rate for {op.granularity} FP8 GEMMs ({op.site}.{op.role})")
+    return gpu.fp8_tflops * rates[op.granularity], 1.0
+
+
 def predict(op: OpRecord, gpu: GpuSpec) -> Prediction | None:
-    """Predicted time of one GEMM on `gpu` in BF16 and as decided; None when a dimension is dynamic."""
+    """Predicted time of one GEMM on `gpu` in BF16 and as decided; None when a dimension is dynamic.
+    A GEMM in FP8 is one of `precision` "fp8": tensorwise, rowwise, blockwise or MXFP8 (granularity
+    "mx"), or NVFP4 when its `formats` are ("nvfp4", "nvfp4")."""
     dims = (op.m, op.n, op.k, op.batch)
     if not all(isinstance(d, int) for d in dims):
         return None
@@ -206,11 +269,8 @@ def predict(op: OpRecord, gpu: GpuSpec) -> Prediction | None:
     bf16 = gpu.gemm_us(m, n, k, batch, gpu.bf16_tflops, HIGH_BYTES)
     if op.precision != "fp8":
         return Prediction(bf16, bf16, 0.0)
-    rates = {"tensorwise": 1.0, "rowwise": gpu.rowwise_efficiency, "blockwise": gpu.blockwise_efficiency}
-    if op.granularity not in rates:
-        raise ValueError(f"fp8fx cost model: no main-loop rate for {op.granularity} FP8 GEMMs ({op.site}.{op.role})")
-    rate = rates[op.granularity]
-    gemm = gpu.gemm_us(m, n, k, batch, gpu.fp8_tflops * rate, 1)
+    tflops, operand_bytes = _main_loop(op, gpu)
+    gemm = gpu.gemm_us(m, n, k, batch, tflops, operand_bytes)
     passes = _passes_us(op, gpu, (batch * m * k, batch * k * n))
     return Prediction(bf16, gemm + passes, passes)
 
