@@ -46,7 +46,10 @@ def interpreter_active() -> bool:
 
 def scaled_mm_kind(block_a: list[int], block_b: list[int]) -> str | None:
     """Which of PyTorch's scaled-mm kernels takes these scale blocks: "tensorwise", "rowwise" (a
-    rowwise GEMM may have one tensorwise side) or "blockwise"; None: none of them."""
+    rowwise GEMM may have one tensorwise side) or "blockwise"; None: none of them.
+
+    MX's 1x32 blocks are None: `torch._scaled_mm` runs them only on sm_100 with E8M0 scales in
+    cuBLAS's swizzled block layout, not with the fp32 per-block scale inverses fp8fx passes."""
     block_a, block_b = list(block_a), list(block_b)
     if not block_a and not block_b:
         return "tensorwise"
@@ -62,7 +65,11 @@ def scaled_mm_supports(variant: GemmVariant) -> str:
     block_a, block_b = list(variant.block_a), list(variant.block_b)
     if variant.a_dtype == variant.b_dtype == torch.float8_e5m2:
         return "two E5M2 operands"
-    return "" if scaled_mm_kind(block_a, block_b) else f"scale blocks {block_a} x {block_b}"
+    if scaled_mm_kind(block_a, block_b):
+        return ""
+    if block_a == [1, 32] and block_b == [32, 1]:
+        return f"MX scale blocks {block_a} x {block_b} (torch._scaled_mm takes them only as swizzled E8M0 scales)"
+    return f"scale blocks {block_a} x {block_b}"
 
 
 def table_path(device_name: str) -> Path:

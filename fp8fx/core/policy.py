@@ -17,7 +17,7 @@ from typing import Any
 
 from fp8fx.core.formats import FormatRecipe
 from fp8fx.core.patterns import POLICY_KINDS
-from fp8fx.core.recipes import GEMM_ROLES, RECIPES, AmaxComputeAlgo, Granularity, Level, Precision, Scaling
+from fp8fx.core.recipes import GEMM_ROLES, RECIPES, AmaxComputeAlgo, Granularity, Level, Precision, ScaleRounding, Scaling
 
 # TransformerEngine's names for the same three GEMMs.
 TE_GEMM_ALIASES = {"fprop": "output", "dgrad": "grad_input", "wgrad": "grad_weight"}
@@ -99,6 +99,8 @@ class Settings:
     amax_compute_algo: AmaxComputeAlgo = AmaxComputeAlgo.MAX
     interval: int = 1  # recompute the scale every `interval` steps
     fast_accum: FastAccum = field(default_factory=FastAccum)
+    # granularity mx only: how the E8M0 block scales are rounded (floor|rceil; rceil when not given)
+    scale_rounding: ScaleRounding | None = None
 
     def __post_init__(self) -> None:
         _bool(self.power_of_two_scales, "power_of_two_scales")
@@ -117,9 +119,25 @@ class Settings:
         if isinstance(self.fast_accum, dict):
             object.__setattr__(self, "fast_accum", FastAccum(**_fast_accum_overrides(self.fast_accum, "fast_accum")))
         elif not isinstance(self.fast_accum, FastAccum):
-            raise PolicyError("fast_accum", f"expected a mapping of {'|'.join(GEMM_ROLES)} to true|false, got {self.fast_accum!r}")
+            raise PolicyError(
+                "fast_accum", f"expected a mapping of {'|'.join(GEMM_ROLES)} to true|false, got {self.fast_accum!r}"
+            )
         if self.scaling is Scaling.DELAYED and self.granularity is not Granularity.TENSORWISE:
-            raise PolicyError("scaling", f"delayed scaling keeps one scale per tensor; it needs granularity tensorwise, not {self.granularity.value}")
+            raise PolicyError(
+                "scaling",
+                f"delayed scaling keeps one scale per tensor; it needs granularity tensorwise, not {self.granularity.value}",
+            )
+        if self.scale_rounding is not None:
+            object.__setattr__(self, "scale_rounding", _enum(ScaleRounding, self.scale_rounding, "scale_rounding"))
+            if self.granularity is not Granularity.MX:
+                raise PolicyError(
+                    "scale_rounding", f"rounds MX's E8M0 block scales; it needs granularity mx, not {self.granularity.value}"
+                )
+        if self.granularity is Granularity.MX:
+            if self.scale_rounding is None:
+                object.__setattr__(self, "scale_rounding", ScaleRounding.RCEIL)
+            if self.margin:
+                raise PolicyError("margin", f"MX's E8M0 scales take no margin (granularity mx), got {self.margin}")
 
 
 # Bounds that keep every setting meaningful: a margin past 32 only underflows scales, a history is
@@ -170,12 +188,14 @@ class Rule:
     amax_history_len: int | None = None
     amax_compute_algo: AmaxComputeAlgo | None = None
     interval: int | None = None
+    scale_rounding: ScaleRounding | None = None
 
     def __post_init__(self) -> None:
         # The Settings a rule sets are checked by building Settings from them (and again, merged
-        # with the defaults, by the Policy).
+        # with the defaults, by the Policy). A rule may set scale_rounding alone for mx defaults.
         given = {name: getattr(self, name) for name in _RULE_SETTINGS if getattr(self, name) is not None}
-        checked = replace(Settings(), **given)
+        base = Settings(granularity=Granularity.MX) if "scale_rounding" in given and "granularity" not in given else Settings()
+        checked = replace(base, **given)
         for name in given:
             object.__setattr__(self, name, getattr(checked, name))
         if not isinstance(self.match, str) or not self.match:
@@ -207,7 +227,7 @@ def _gemm_overrides(value: Any, key_path: str) -> dict[str, Precision]:
     return _per_gemm(value, key_path, "fp8|high", lambda v, where: _enum(Precision, v, where))
 
 
-def _per_gemm(value: Any, key_path: str, values: str, convert) -> dict[str, Any]:  # noqa: ANN001
+def _per_gemm(value: Any, key_path: str, values: str, convert) -> dict[str, Any]:
     """A `{GEMM: value}` mapping of a policy (TE's names fprop/dgrad/wgrad accepted), each value
     checked by `convert(value, key path)`."""
     if not isinstance(value, dict) or not value:
@@ -232,7 +252,11 @@ def _fast_accum_overrides(value: Any, key_path: str) -> dict[str, bool]:
 
 
 # Settings a rule may set directly (all but `gemms` and `fast_accum`, which merge, and `ops`).
-_RULE_SETTINGS = ("format", "granularity", "power_of_two_scales", "scaling", "margin", "amax_history_len", "amax_compute_algo", "interval")
+_RULE_SETTINGS = (
+    "format", "granularity", "power_of_two_scales", "scaling", "margin", "amax_history_len", "amax_compute_algo", "interval",
+    "scale_rounding",
+)  # fmt: skip
+
 
 def recipe_settings(name: str, **overrides: Any) -> Settings:
     """The `Settings` a named recipe expands to, with `overrides` applied on top."""
@@ -271,7 +295,11 @@ class Shadow:
     def __post_init__(self) -> None:
         _int(self.every, "every", 1)
         _int(self.patience, "patience", 1)
-        if isinstance(self.tolerance_db, bool) or not isinstance(self.tolerance_db, (int, float)) or not math.isfinite(self.tolerance_db):
+        if (
+            isinstance(self.tolerance_db, bool)
+            or not isinstance(self.tolerance_db, (int, float))
+            or not math.isfinite(self.tolerance_db)
+        ):
             raise PolicyError("tolerance_db", f"expected a number of decibels, got {self.tolerance_db!r}")
 
 
@@ -330,6 +358,8 @@ class Policy:
             gemms[role] = prec
             sources[role] = f"{where}.gemms.{role}"
         overrides = {name: getattr(rule, name) for name in _RULE_SETTINGS if getattr(rule, name) is not None}
+        if overrides.get("granularity", Granularity.MX) is not Granularity.MX and "scale_rounding" not in overrides:
+            overrides["scale_rounding"] = None  # the defaults' MX rounding does not carry to another granularity
         fast_accum = replace(self.defaults.fast_accum, **(rule.fast_accum or {}))
         settings = replace(self.defaults, gemms=GemmPrecisions(**gemms), fast_accum=fast_accum, **overrides)
         return Resolution(settings, index, rule.precision is Precision.FP8, sources)
@@ -352,6 +382,8 @@ class Policy:
             "amax_compute_algo": d.amax_compute_algo.value,
             "interval": d.interval,
         }
+        if d.scale_rounding is not None:
+            out["defaults"]["scale_rounding"] = d.scale_rounding.value
         out["rules"] = []
         for rule in self.rules:
             r: dict[str, Any] = {"match": rule.match}
@@ -371,7 +403,11 @@ class Policy:
                     r[name] = value.value if isinstance(value, Enum) else value
             out["rules"].append(r)
         if self.shadow is not None:
-            out["shadow"] = {"every": self.shadow.every, "tolerance_db": self.shadow.tolerance_db, "patience": self.shadow.patience}
+            out["shadow"] = {
+                "every": self.shadow.every,
+                "tolerance_db": self.shadow.tolerance_db,
+                "patience": self.shadow.patience,
+            }
         if self.level is not None:
             out["level"] = self.level.value
         return out

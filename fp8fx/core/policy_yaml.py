@@ -83,7 +83,7 @@ class _Decoder:
             out[key] = value_node
         return out
 
-    def checked(self, node: yaml.Node, key_path: str, build):  # noqa: ANN001
+    def checked(self, node: yaml.Node, key_path: str, build):
         """Run a dataclass constructor, re-raising its PolicyError with this node's path and line."""
         try:
             return build()
@@ -129,7 +129,9 @@ class _Decoder:
             shadow = self.checked(top["shadow"], "shadow", lambda: Shadow(**{k: self.value(v) for k, v in items.items()}))
         level = self.value(top["level"]) if "level" in top else None
         return self.checked(
-            root, "<root>", lambda: Policy(defaults=defaults, rules=tuple(rules), source=self.source, recipe=recipe, shadow=shadow, level=level)
+            root,
+            "<root>",
+            lambda: Policy(defaults=defaults, rules=tuple(rules), source=self.source, recipe=recipe, shadow=shadow, level=level),
         )
 
     def settings(self, node: yaml.Node | None, key_path: str, recipe: str | None) -> Settings:

@@ -41,27 +41,44 @@ class Level(str, Enum):
 
 
 class Granularity(str, Enum):
-    """One scale per tensor; per row/column along the contraction dim (torchao's axiswise); or
-    DeepSeek-V3's blocks (1x128 activations and gradients, 128x128 weights)."""
+    """One scale per tensor; per row/column along the contraction dim (torchao's axiswise);
+    DeepSeek-V3's blocks (1x128 activations and gradients, 128x128 weights); or OCP Microscaling
+    (MX): one power-of-two (E8M0) scale per 32 elements along the contraction dim, every operand."""
 
     TENSORWISE = "tensorwise"
     ROWWISE = "rowwise"
     BLOCKWISE = "blockwise"
+    MX = "mx"
+
+
+class ScaleRounding(str, Enum):
+    """How an MX block's E8M0 scale is rounded (torchao's `ScaleCalculationMode`). floor: the OCP MX
+    spec's `2**(floor(log2(amax)) - emax)` with emax the format's largest power of two (8 for E4M3),
+    which can push a block's largest values past the format's max (they saturate). rceil: cuBLAS's
+    and TransformerEngine's `2**ceil(log2(amax / fp8_max))`, the smallest power of two that does not
+    saturate."""
+
+    FLOOR = "floor"
+    RCEIL = "rceil"
 
 
 BLOCK = 128  # DeepSeek-V3's tile
+MX_BLOCK = 32  # OCP Microscaling's block
+ALIGN = 16  # FP8 tensor-core GEMMs need N and K in multiples of 16
 
 
 @dataclass(frozen=True)
 class GranularitySpec:
     """The scale blocks (see fp8fx.core.scaling: rows x cols of the last two dims, 0 = the whole
     dim) of a GEMM's left (M x K) and right (K x N) operand; always along the contraction dim K.
-    A weight may take other blocks than an activation or a gradient on the same side."""
+    A weight may take other blocks than an activation or a gradient on the same side. `align`: what
+    the GEMM's N and K must be multiples of for an FP8 GEMM of this granularity."""
 
     left: tuple[int, ...]
     right: tuple[int, ...]
     weight_left: tuple[int, ...]
     weight_right: tuple[int, ...]
+    align: int = ALIGN
 
     def blocks(self, roles: tuple[str, str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Blocks of the left and right operand, whose roles are `roles` (input | weight | grad_output)."""
@@ -74,6 +91,7 @@ GRANULARITIES: dict[Granularity, GranularitySpec] = {
     Granularity.TENSORWISE: GranularitySpec((), (), (), ()),
     Granularity.ROWWISE: GranularitySpec((1, 0), (0, 1), (1, 0), (0, 1)),
     Granularity.BLOCKWISE: GranularitySpec((1, BLOCK), (BLOCK, 1), (BLOCK, BLOCK), (BLOCK, BLOCK)),
+    Granularity.MX: GranularitySpec((1, MX_BLOCK), (MX_BLOCK, 1), (1, MX_BLOCK), (MX_BLOCK, 1), align=MX_BLOCK),
 }
 
 
@@ -87,6 +105,9 @@ RECIPES: dict[str, dict[str, Any]] = {
     "rowwise_gw_hp": {"format": "e4m3", "granularity": "rowwise", "power_of_two_scales": True, "gemms": {"grad_weight": "high"}},
     # DeepSeek-V3 / TE Float8BlockScaling: E4M3, 1x128 activation tiles, 128x128 weight blocks
     "blockwise": {"format": "e4m3", "granularity": "blockwise"},
+    # torchao MXFP8 training (MXFP8TrainingOpConfig) / TE MXFP8BlockScaling: E4M3, 1x32 blocks along
+    # K for every operand, E8M0 scales rounded with RCEIL
+    "mxfp8": {"format": "e4m3", "granularity": "mx", "scale_rounding": "rceil"},
     # TE DelayedScaling defaults: HYBRID, amax history 1024, algo max, margin 0
     "delayed": {"format": "hybrid", "scaling": "delayed", "amax_history_len": 1024, "amax_compute_algo": "max"},
     # Megatron-LM defaults: amax history 1, most recent amax

@@ -12,6 +12,10 @@ b0 x b1 block, where 0 means "the whole dimension". Rowwise is (1, 0) for the le
 blockwise recipe is (1, 128) for activations and gradients, (128, 128) for weights. Scales of a
 blocked operand have shape [..., ceil(rows / b0), ceil(cols / b1)]; partial blocks at the edges
 take the amax of what they hold.
+
+MX (OCP Microscaling) scales are powers of two stored as E8M0 (an 8-bit biased exponent, 2**-127 to
+2**127): `e8m0_exponent` rounds an amax to one with torchao's FLOOR or RCEIL rule, `mx_scale` turns
+it into the multiplier of the convention above (`2**-exponent`; scale_inv is the E8M0 value).
 """
 
 from __future__ import annotations
@@ -73,10 +77,58 @@ def expand_blocks(scale: Tensor, block: Block, shape: torch.Size | tuple) -> Ten
     return scale
 
 
-def amax_to_scale(amax: Tensor, fp8_max: float, margin: int = 0, power_of_two: bool = False) -> Tensor:
+E8M0_BIAS = 127
+E8M0_MIN, E8M0_MAX = -127, 127  # exponents an E8M0 scale holds (255 is its NaN)
+
+
+def e8m0_exponent(amax: Tensor, fp8_max: float, rounding: str) -> Tensor:
+    """Unbiased exponent (int32) of the E8M0 scale_inv of an MX block with largest magnitude `amax`
+    (finite, >= 0), clamped to [-127, 127]; `rounding` is "floor" or "rceil" (torchao's modes).
+
+    floor (the OCP MX spec): `floor(log2(amax)) - emax`, emax = floor(log2(fp8_max)) (8 for E4M3),
+    read from the fp32 exponent field (a subnormal amax counts as 2**-127). rceil (cuBLAS, TE):
+    `ceil(log2(amax / fp8_max))` of the fp32 quotient, taken exactly from its bits as the
+    `cvt.rp.satfinite.ue8m0x2.f32` instruction does (torchao's CPU fallback takes it through fp32
+    `log2`, which can round a quotient a few ulps above a power of two down to it)."""
+    amax = amax.to(torch.float32)
+    if rounding == "floor":
+        field = (amax.view(torch.int32) >> 23) & 0xFF
+        exponent = field - 127 - math.floor(math.log2(fp8_max))
+    elif rounding == "rceil":
+        bits = (amax / fp8_max).view(torch.int32)
+        field, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+        # A normal quotient: its exponent, plus one unless it is a power of two. A subnormal one
+        # (field 0) is at most 2**-127 and clamps there.
+        exponent = torch.where(field > 0, field - 127 + (mantissa != 0).to(torch.int32), torch.full_like(field, E8M0_MIN))
+    else:
+        raise ValueError(f"fp8fx: MX scale rounding must be floor or rceil, got {rounding!r}")
+    return exponent.clamp(E8M0_MIN, E8M0_MAX).to(torch.int32)
+
+
+def mx_scale(amax: Tensor, fp8_max: float, rounding: str) -> Tensor:
+    """MX scale (fp32, a power of two: `2**-e8m0_exponent`) for each block's `amax`; 1 where amax
+    is non-finite. A block of zeros gets 2**127 (its scale_inv is E8M0's smallest, 2**-127, as in
+    torchao); its data stays zero."""
+    usable = torch.isfinite(amax)
+    exponent = e8m0_exponent(torch.where(usable, amax, torch.zeros_like(amax)).to(torch.float32), fp8_max, rounding)
+    scale = ((E8M0_BIAS - exponent) << 23).view(torch.float32)  # 2**-exponent: a normal fp32 for |exponent| <= 127
+    return torch.where(usable, scale, torch.ones_like(scale))
+
+
+def amax_to_scale(
+    amax: Tensor, fp8_max: float, margin: int = 0, power_of_two: bool = False, rounding: str | None = None
+) -> Tensor:
     """Scale that maps `amax` onto `fp8_max / 2**margin`; 1 where amax is 0 or non-finite.
 
-    `power_of_two` rounds the scale down to a power of two, so scaling changes only exponents."""
+    `power_of_two` rounds the scale down to a power of two, so scaling changes only exponents.
+    `rounding` ("floor" | "rceil") gives MX's E8M0 scales instead (`mx_scale`; no margin). MX's
+    rceil equals `power_of_two` with margin 0 for every nonzero amax above `fp8_max * 2**-127`
+    (both are `2**floor(log2(fp8_max / amax))`); below that, and for zero, this returns 2**127
+    where `power_of_two` clamps or returns 1."""
+    if rounding is not None:
+        if margin:
+            raise ValueError(f"fp8fx: MX scales take no margin, got margin={margin}")
+        return mx_scale(amax, fp8_max, rounding)
     # In fp64, then rounded once to fp32: the same scale in eager and compiled code (and torchao's).
     amax = amax.to(torch.float64)
     usable = torch.isfinite(amax) & (amax > 0)

@@ -4,7 +4,8 @@ FP8 emulation is exact: operands are real FP8 tensors, and the GEMM runs on thei
 (FP8 values and their pairwise products are exact in fp32) with fp32 accumulation; the scale
 inverses are applied to the fp32 result, as FP8 tensor cores do. With blockwise scales along the
 contraction dimension, each K-block's partial product is scaled and promoted to the fp32
-accumulator separately (DeepSeek-V3's FP32 promotion every 128 K-elements).
+accumulator separately (DeepSeek-V3's FP32 promotion every 128 K-elements); MX's 1x32 blocks the
+same way, every 32 K-elements (their power-of-two scales make each scaled partial product exact).
 """
 
 from __future__ import annotations
@@ -54,7 +55,11 @@ def amax(x: Tensor, block: list[int]) -> Tensor:
 
 
 def amax_to_scale(amax: Tensor, fp8_max: float, margin: int, power_of_two: bool) -> Tensor:
-    """`fp8_max / amax / 2**margin` (optionally rounded down to a power of two), 1 for a zero or non-finite amax."""
+    """`fp8_max / amax / 2**margin` (optionally rounded down to a power of two), 1 for a zero or non-finite amax.
+
+    With `power_of_two` and margin 0 this is MX's RCEIL E8M0 scale (torchao's and cuBLAS's) for every
+    nonzero amax above `fp8_max * 2**-127`, which is how the graph computes the scales of
+    granularity mx (see `fp8fx.core.scaling.amax_to_scale`)."""
     return scaling.amax_to_scale(amax, fp8_max, margin, power_of_two)
 
 

@@ -11,7 +11,7 @@ from torch import fx
 
 from fp8fx.core.patterns import BY_KIND, BY_TARGET
 from fp8fx.core.policy import Policy
-from fp8fx.core.recipes import GEMM_ROLES, GRANULARITIES, Precision, Scaling
+from fp8fx.core.recipes import ALIGN, GEMM_ROLES, GRANULARITIES, Granularity, Precision, ScaleRounding, Scaling
 from fp8fx.passes.annotation import Decision, DelayedSpec, GemmAnnotation, ReasonKind, annotate
 from fp8fx.passes.find_matmuls import (
     Gemm,
@@ -27,7 +27,6 @@ from fp8fx.passes.find_matmuls import (
 from fp8fx.passes.graph_utils import PassContext, PassResult, strip_layout
 from fp8fx.passes.lower_patch_convs import is_patch_conv
 
-ALIGN = 16  # FP8 tensor-core GEMMs need N and K in multiples of 16
 FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -61,12 +60,16 @@ def _operand_roles(site: MatmulSite, gemm: Gemm) -> tuple[str, str]:
     return roles[0], roles[1]
 
 
-def _shape_problem(n, k) -> str | None:
+def _shape_problem(n, k, granularity: Granularity) -> str | None:
+    """Why FP8 GEMMs of `granularity` cannot take the forward GEMM's (N, K): each granularity says
+    what they must be multiples of (16; MX's 32-element blocks: 32)."""
+    align = GRANULARITIES[granularity].align
+    which = "FP8 GEMMs" if align == ALIGN else f"{granularity.value} FP8 GEMMs"
     for dim_name, dim in (("N", n), ("K", k)):
         if not isinstance(dim, int):
-            return f"{dim_name}={dim} is dynamic; FP8 needs a static {dim_name} that is a multiple of {ALIGN}"
-        if dim % ALIGN:
-            return f"{dim_name}={dim} is not a multiple of {ALIGN} (FP8 GEMMs need N and K % {ALIGN} == 0)"
+            return f"{dim_name}={dim} is dynamic; {which} need a static {dim_name} that is a multiple of {align}"
+        if dim % align:
+            return f"{dim_name}={dim} is not a multiple of {align} ({which} need N and K % {align} == 0)"
     return None
 
 
@@ -124,7 +127,10 @@ def decide(site: MatmulSite, gemm: Gemm, ctx: PassContext) -> Decision:
 
     if site.op == "sdpa":
         kernel = gemm.node.target.overloadpacket.__name__
-        return high(ReasonKind.OP_KIND, f"fused attention kernel aten.{kernel}: FP8 attention is not supported; runs in the model's precision")
+        return high(
+            ReasonKind.OP_KIND,
+            f"fused attention kernel aten.{kernel}: FP8 attention is not supported; runs in the model's precision",
+        )
     if site.op == "conv":
         return high(ReasonKind.CONV, _conv_reason(gemm.node))
     if site.opaque or is_opaque(gemm.node):
@@ -158,13 +164,21 @@ def policy_decision(policy: Policy, names: tuple[str, ...], kind: str, role: str
         return high(ReasonKind.OP_KIND, f"op {shown} is not in defaults.ops [{ops}]; a rule with precision: fp8 enables it")
     if res.settings.gemms[role] is Precision.HIGH:
         return high(ReasonKind.POLICY, f"{res.gemm_sources[role]}: high")
-    problem = _shape_problem(*dims)
+    problem = _shape_problem(*dims, res.settings.granularity)
     if problem:
         return high(ReasonKind.SHAPE, problem)
     problem = operand_problem()
     if problem:
         return high(*problem)
     settings = res.settings
+    mx = settings.granularity is Granularity.MX
+    if mx and settings.scale_rounding is not ScaleRounding.RCEIL:
+        # The graph's amax_to_scale takes (fp8_max, margin, power_of_two); MX's rceil is exactly
+        # power_of_two with margin 0 (fp8fx.core.scaling.amax_to_scale), floor is not expressible.
+        raise ValueError(
+            f"fp8fx: {where}: scale_rounding {settings.scale_rounding.value} is not lowered into compiled graphs yet "
+            "(their amax_to_scale carries no rounding mode); use scale_rounding: rceil"
+        )
     return Decision(
         Precision.FP8,
         ReasonKind.POLICY,
@@ -174,7 +188,7 @@ def policy_decision(policy: Policy, names: tuple[str, ...], kind: str, role: str
         scaling=settings.scaling,
         granularity=settings.granularity,
         blocks=GRANULARITIES[settings.granularity].blocks(roles),
-        power_of_two=settings.power_of_two_scales,
+        power_of_two=settings.power_of_two_scales or mx,  # MX scales are E8M0: powers of two
         margin=settings.margin,
         fast_accum=settings.fast_accum[role],
         delayed=(
