@@ -96,15 +96,12 @@ class GpuSpec:
     # (tcgen05 block-scaled MMA), so the main loop runs near the tensorwise rate. TE's pre-quantized
     # per-layer totals on B300 (PUBLISHED.md A: MXFP8 7.161 ms vs FP8 current 6.812) put it at 0.95.
     mx_efficiency: float = 0.95
-    # Dense NVFP4 (E2M1, 1x16 blocks of E4M3 scales) peak; None: twice the FP8 peak. NVFP4 kernels
-    # run their main loop at `nvfp4_efficiency` of it: TE's pre-quantized B300 layer (3.764 ms vs
-    # 6.812 FP8 current, 1.81x where the peaks give 2x) puts it at 0.9.
+    # Dense NVFP4 (E2M1, 1x16 blocks of E4M3 scales) peak; None: no block-scaled tensor cores
+    # (Hopper), so neither MXFP8 nor NVFP4 GEMMs have a rate. NVFP4 kernels run their main loop at
+    # `nvfp4_efficiency` of it: TE's pre-quantized B300 layer (3.764 ms vs 6.812 FP8 current, 1.81x
+    # where the peaks give 2x) puts it at 0.9.
     fp4_tflops: float | None = None
     nvfp4_efficiency: float = 0.9
-
-    @property
-    def nvfp4_tflops(self) -> float:
-        return self.fp4_tflops if self.fp4_tflops is not None else 2 * self.fp8_tflops
 
     def gemm_us(self, m: int, n: int, k: int, batch: int, tflops: float, operand_bytes: float) -> float:
         """One GEMM (left m x k, right k x n, `batch` of them) at `tflops` dense peak."""
@@ -149,12 +146,14 @@ TARGETS: dict[str, GpuSpec] = {
 }
 
 _SPEC_KEYS = {"fp8": "fp8_tflops", "bf16": "bf16_tflops", "bw": "hbm_tbps", "sms": "sms"}
-_SPEC_FORM = "fp8=TFLOPS,bf16=TFLOPS,bw=TB/s,sms=N[,name=NAME]"
+_OPTIONAL_KEYS = {"fp4": "fp4_tflops"}  # a dense FP4 peak: a Blackwell-class GPU (block-scaled, either-major FP8)
+_SPEC_FORM = "fp8=TFLOPS,bf16=TFLOPS,bw=TB/s,sms=N[,fp4=TFLOPS][,name=NAME]"
 
 
 def gpu(spec: str) -> GpuSpec:
     """A target by name (case-insensitive, see `TARGETS`) or a spec like
-    "fp8=1979,bf16=989,bw=3.35,sms=132,name=mygpu" (dense TFLOP/s, TB/s, SM count)."""
+    "fp8=1979,bf16=989,bw=3.35,sms=132,name=mygpu" (dense TFLOP/s, TB/s, SM count). With an `fp4`
+    peak the GPU is taken as Blackwell-class: block-scaled MXFP8/NVFP4 GEMMs, FP8 read in either major."""
 
     def bad(what: str) -> ValueError:
         return ValueError(f"{what}; known targets: {', '.join(TARGETS)}, or a spec {_SPEC_FORM}")
@@ -168,8 +167,9 @@ def gpu(spec: str) -> GpuSpec:
     for part in text.split(","):
         key, sep, value = (s.strip() for s in part.partition("="))
         key = key.lower()
-        if not sep or key not in (*_SPEC_KEYS, "name") or _SPEC_KEYS.get(key) in numbers:
-            raise bad(f"GPU spec {spec!r}: bad part {part.strip()!r} (keys fp8, bf16, bw, sms, name, each at most once)")
+        fields = {**_SPEC_KEYS, **_OPTIONAL_KEYS}
+        if not sep or key not in (*fields, "name") or fields.get(key) in numbers:
+            raise bad(f"GPU spec {spec!r}: bad part {part.strip()!r} (keys fp8, bf16, bw, sms, fp4, name, each at most once)")
         if key == "name":
             name = value or name
             continue
@@ -179,11 +179,11 @@ def gpu(spec: str) -> GpuSpec:
             number = 0
         if not 0 < number < math.inf:
             raise bad(f"GPU spec {spec!r}: {key}={value!r} is not a positive {'integer' if key == 'sms' else 'number'}")
-        numbers[_SPEC_KEYS[key]] = number
+        numbers[fields[key]] = number
     missing = [key for key, field in _SPEC_KEYS.items() if field not in numbers]
     if missing:
         raise bad(f"GPU spec {spec!r}: missing {', '.join(missing)}")
-    return GpuSpec(name, **numbers)
+    return GpuSpec(name, **numbers, fp8_transposes="fp4_tflops" not in numbers)
 
 
 @dataclass(frozen=True)
@@ -243,11 +243,22 @@ def _main_loop(op: OpRecord, gpu: GpuSpec) -> tuple[float, float]:
             raise ValueError(
                 f"fp8fx cost model: no rate for a GEMM of {op.formats[0]} x {op.formats[1]} operands ({op.site}.{op.role})"
             )
-        return gpu.nvfp4_tflops * gpu.nvfp4_efficiency, 0.5
+        _block_scaled(op, gpu, "NVFP4")
+        return gpu.fp4_tflops * gpu.nvfp4_efficiency, 0.5
     rates = {"tensorwise": 1.0, "rowwise": gpu.rowwise_efficiency, "blockwise": gpu.blockwise_efficiency, "mx": gpu.mx_efficiency}
     if op.granularity not in rates:
         raise ValueError(f"fp8fx cost model: no main-loop rate for {op.granularity} FP8 GEMMs ({op.site}.{op.role})")
+    if op.granularity == "mx":
+        _block_scaled(op, gpu, "MXFP8")
     return gpu.fp8_tflops * rates[op.granularity], 1.0
+
+
+def _block_scaled(op: OpRecord, gpu: GpuSpec, what: str) -> None:
+    if gpu.fp4_tflops is None:
+        raise ValueError(
+            f"fp8fx cost model: {gpu.name} has no block-scaled (MXFP8/NVFP4) tensor cores, no rate for {what} GEMMs ({op.site}.{op.role}); "
+            "give the target an fp4 peak"
+        )
 
 
 def predict(op: OpRecord, gpu: GpuSpec) -> Prediction | None:

@@ -1,7 +1,8 @@
 """The cost model (fp8fx.reporting.costmodel) against published FP8 speedups, and its unit behaviour.
 
-The published figures are those gathered in /work/shared/RESEARCH.md; each test cites its line.
-The model's parameters are the defaults of `GpuSpec`, the same for every test."""
+The published figures are those gathered in /work/shared/RESEARCH.md and /work/shared/PUBLISHED.md;
+each test cites its line or section. The model's parameters are the defaults of `GpuSpec`, the same
+for every test."""
 
 from __future__ import annotations
 
@@ -10,17 +11,31 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers import meta_llama
+from torch import nn
 
 import fp8fx
 from fp8fx.core.policy import Rule
-from fp8fx.reporting.costmodel import TARGETS, GpuSpec, gpu, predict, predict_step
+from fp8fx.reporting.costmodel import HIGH_BYTES, TARGETS, GpuSpec, gpu, predict, predict_step
 from fp8fx.reporting.records import OpRecord
 
 
-def record(role, m, n, k, operands, op="mm", precision="fp8", scaling="dynamic", granularity="tensorwise", flops=None, batch=1):
+def record(
+    role,
+    m,
+    n,
+    k,
+    operands,
+    op="mm",
+    precision="fp8",
+    scaling="dynamic",
+    granularity="tensorwise",
+    flops=None,
+    batch=1,
+    graph_kind="training",
+):
     fp8 = precision == "fp8"
     return OpRecord(
-        graph=0, graph_kind="training", site="x", fqn="x", op=op, role=role, source="", m=m, n=n, k=k, batch=batch,
+        graph=0, graph_kind=graph_kind, site="x", fqn="x", op=op, role=role, source="", m=m, n=n, k=k, batch=batch,
         flops=flops if flops is not None else 2 * m * n * k * batch, precision=precision, reason_kind="policy", reason="",
         operands=operands, formats=("e4m3", "e4m3") if fp8 else None, scaling=scaling if fp8 else None,
         granularity=granularity if fp8 else None, blocks=None, power_of_two_scales=None, margin=0 if fp8 else None,
@@ -47,6 +62,11 @@ def test_peaks_follow_the_datasheets():
     assert h100 is TARGETS["h100-sxm"] and (h100.fp8_tflops, h100.bf16_tflops) == (1979, 989), "exact datasheet values"
     for name, spec in TARGETS.items():
         assert spec.fp8_tflops >= 2 * spec.bf16_tflops * 0.99, f"{name}: FP8 peak should be >= 2x BF16 within 1%"
+    # Blackwell (B200, B300: 4.5 PFLOP/s FP8, 2.25 BF16; GB200: 5 and 2.5), NVFP4 at twice FP8.
+    for name, peaks in {"b200": (4500, 2250, 9000), "b300": (4500, 2250, 9000), "gb200": (5000, 2500, 10000)}.items():
+        spec = gpu(name)
+        assert (spec.fp8_tflops, spec.bf16_tflops, spec.fp4_tflops) == peaks and not spec.fp8_transposes, name
+    assert gpu("h100").fp4_tflops is None and gpu("h100").fp8_transposes, "Hopper: no FP4, K-major FP8 only"
 
 
 # --- 2. TransformerEngine, H200, 5B config: GEMM-level speedups ------------------------------------
@@ -182,7 +202,195 @@ def test_fp8fx_recipes_put_lm_head_in_fp8():
     assert {settings.gemms.output, settings.gemms.grad_input, settings.gemms.grad_weight} == {"fp8"}
 
 
-# --- 5. Unit behaviour ------------------------------------------------------------------------------
+# --- 5. Published tables: Blackwell formats, DeepGEMM, torchao inference -----------------------------
+# Each row: published, predicted and relative error in the assertion message; one tolerance per table.
+
+
+def with_recipe(op: OpRecord, recipe: str) -> OpRecord:
+    """`op` (an FP8 tensorwise record) as TE's recipe `recipe` runs it."""
+    if recipe == "bf16":
+        return replace(op, precision="high", formats=None, scaling=None, granularity=None)
+    if recipe == "fp8_delayed":
+        return replace(op, scaling="delayed")
+    if recipe == "mxfp8":
+        return replace(op, granularity="mx", formats=("e4m3", "e4m3"))
+    if recipe == "nvfp4":
+        return replace(op, granularity="nvfp4_block", formats=("nvfp4", "nvfp4"))
+    if recipe == "fp8_block":
+        return replace(op, granularity="blockwise", formats=("e4m3", "e4m3"))
+    assert recipe == "fp8_current"
+    return op
+
+
+def relative_error(predicted: float, published: float) -> float:
+    return predicted / published - 1
+
+
+# 5a. PUBLISHED.md section A: TE benchmark_gemm.py, 5B config on B300, Fprop per shape (autocast:
+# the GEMM and the quantization of its input and weight), ms. M = micro-batch 31 x sequence 512.
+# Tolerance 30%: the table disagrees with itself by about that much. BF16 AttnOut runs at 77% of
+# the BF16 peak, the other three shapes at 66-68%; QKV under delayed scaling (0.503 ms, its casts
+# included) implies an FP8 main loop at 71% or more of the FP8 peak where MLP Up's (0.850 ms) is at
+# most 59%; and the per-layer BF16 total moves 3% between the autocast and pre-quantized runs with
+# nothing to quantize. One rate per kernel cannot follow that spread more closely; the per-layer
+# totals below, which average it out, are held to 20%.
+TE_B300_SHAPES = {
+    "QKV": (15872, 4096, 12288),
+    "AttnOut": (15872, 4096, 4096),
+    "MLP Up": (15872, 4096, 16384),
+    "MLP Down": (15872, 16384, 4096),
+}
+TE_B300_RECIPES = ("bf16", "fp8_current", "fp8_delayed", "mxfp8", "nvfp4")
+TE_B300_FPROP_MS = {
+    "QKV": (1.071, 0.605, 0.503, 0.579, 0.392),
+    "AttnOut": (0.307, 0.317, 0.231, 0.269, 0.256),
+    "MLP Up": (1.393, 0.924, 0.850, 0.924, 0.635),
+    "MLP Down": (1.426, 1.033, 0.901, 1.076, 0.649),
+}
+TE_B300_FPROP_TOLERANCE = 0.30
+
+
+@pytest.mark.parametrize("recipe", TE_B300_RECIPES)
+@pytest.mark.parametrize("shape", list(TE_B300_SHAPES))
+def test_transformer_engine_b300_fprop_per_shape(shape, recipe):
+    m, k, n = TE_B300_SHAPES[shape]
+    published = TE_B300_FPROP_MS[shape][TE_B300_RECIPES.index(recipe)]
+    predicted = predict(with_recipe(record("output", m, n, k, ("input", "weight")), recipe), gpu("b300")).fp8_us / 1000
+    error = relative_error(predicted, published)
+    message = f"{shape} {recipe}: published {published} ms, predicted {predicted:.3f} ms, error {error:+.1%} (tolerance +-{TE_B300_FPROP_TOLERANCE:.0%})"
+    assert abs(error) <= TE_B300_FPROP_TOLERANCE, message
+
+
+# 5b. Section A's per-layer totals (Fprop + Dgrad + Wgrad of the four linears), through fp8fx.analyze
+# of a module of that shape and predict_step (GEMMs only: TE's benchmark times the GEMMs and their
+# quantization, no other ops). Autocast includes quantization; pre-quantized is the GEMMs alone
+# (predicted: the FP8 time without its passes). Section A's H200 rows are the same layer (shape
+# assumed equal; TE does not state the H200 batch): BF16 and FP8 current pre-quantized, FP8 delayed
+# ("always autocast") and FP8 block autocast. Tolerance 20%.
+TE_LAYER_MS = {
+    ("b300", "autocast", "bf16"): 12.758,
+    ("b300", "autocast", "fp8_current"): 9.147,
+    ("b300", "autocast", "fp8_delayed"): 7.802,
+    ("b300", "autocast", "mxfp8"): 8.984,
+    ("b300", "autocast", "nvfp4"): 6.453,
+    ("b300", "pre-quantized", "bf16"): 13.102,
+    ("b300", "pre-quantized", "fp8_current"): 6.812,
+    ("b300", "pre-quantized", "mxfp8"): 7.161,
+    ("b300", "pre-quantized", "nvfp4"): 3.764,
+    ("h200", "pre-quantized", "bf16"): 31.968,
+    ("h200", "pre-quantized", "fp8_current"): 16.785,
+    ("h200", "autocast", "fp8_delayed"): 19.099,
+    ("h200", "autocast", "fp8_block"): 22.882,
+}
+TE_LAYER_TOLERANCE = 0.20
+
+
+class TELinears(nn.Module):
+    """The four linears of TE's 5B layer (hidden 4096, FFN 16384), chained; a scale before the first
+    so its input needs a gradient and every linear has its Dgrad, as in a layer."""
+
+    def __init__(self, hidden: int = 4096, ffn: int = 16384):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(hidden))
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.proj = nn.Linear(hidden, hidden, bias=False)
+        self.fc1 = nn.Linear(hidden, ffn, bias=False)
+        self.fc2 = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        y = self.proj(self.qkv(x * self.scale)[..., : x.shape[-1]])
+        return self.fc2(torch.relu(self.fc1(y)))
+
+
+@pytest.fixture(scope="module")
+def te_layer_ops() -> list[OpRecord]:
+    with torch.device("meta"):
+        model = TELinears()
+    report = fp8fx.analyze(
+        model, (torch.zeros(31, 512, 4096, device="meta"),), fp8fx.Policy.from_recipe("tensorwise"), train=True
+    )
+    assert len(report.ops) == 12 and {(op.precision, op.granularity, op.scaling) for op in report.ops} == {
+        ("fp8", "tensorwise", "dynamic")
+    }
+    return report.ops
+
+
+@pytest.mark.parametrize("target,mode,recipe", list(TE_LAYER_MS))
+def test_transformer_engine_per_layer_totals(te_layer_ops, target, mode, recipe):
+    ops, spec = [with_recipe(op, recipe) for op in te_layer_ops], gpu(target)
+    if mode == "autocast":
+        predicted = predict_step(ops, 0, spec).gemm_fp8_us / 1000
+    else:
+        predicted = sum(p.fp8_us - p.passes_us for p in (predict(op, spec) for op in ops)) / 1000
+    published = TE_LAYER_MS[target, mode, recipe]
+    error = relative_error(predicted, published)
+    message = f"{target} {mode} {recipe}: published {published} ms, predicted {predicted:.3f} ms, error {error:+.1%} (tolerance +-{TE_LAYER_TOLERANCE:.0%})"
+    assert abs(error) <= TE_LAYER_TOLERANCE, message
+
+
+def test_transformer_engine_b300_recipe_order(te_layer_ops):
+    # Section A's autocast order per layer: NVFP4 < FP8 delayed < MXFP8 < FP8 current < BF16 (no
+    # tolerance), except MXFP8 against FP8 current: 8.984 vs 9.147 ms published, 2% apart. The model
+    # casts an MXFP8 operand per GEMM (each tensor twice, once along each dimension, as torchao's MX
+    # training does); TE quantizes it once into both layouts, which the model does not credit, so it
+    # puts MXFP8 7% behind FP8 current: checked as within 10% of it.
+    b300 = gpu("b300")
+    times = {r: predict_step([with_recipe(op, r) for op in te_layer_ops], 0, b300).gemm_fp8_us for r in TE_B300_RECIPES}
+    assert times["nvfp4"] < times["fp8_delayed"] < times["fp8_current"] < times["bf16"], times
+    assert times["fp8_delayed"] < times["mxfp8"] < times["bf16"] and abs(times["mxfp8"] / times["fp8_current"] - 1) <= 0.10, times
+
+
+# 5c. PUBLISHED.md section B: DeepGEMM FP8 GEMMs (1x128 activation / 128x128 weight blocks) on
+# H800, pre-quantized, achieved TFLOP/s: predicted as 2mnk over the blockwise FP8 GEMM's time
+# without its passes. Two tolerances: M = 4096 (compute-bound) 15%; M = 64 and 128 (bound by
+# memory and latency) 30%. There the model's kernel is a launch plus the larger of waves of 128x128
+# tiles (split along K when the output has fewer tiles than SMs) and streaming the operands at 0.85
+# of bandwidth; DeepGEMM's times are the kernel alone (no launch), it picks narrower tiles and does
+# not split K, so N = 2112 at M = 128 leaves SMs idle (published 352, predicted 440) while N = 7168 at
+# K = 2048 streams faster than launch + stream (published 295 / 510, predicted 220 / 424).
+DEEPGEMM_H800_TFLOPS = {
+    (64, 2112, 7168): 206, (64, 24576, 1536): 289, (64, 32768, 512): 219,
+    (64, 7168, 16384): 336, (64, 4096, 7168): 287, (64, 7168, 2048): 295,
+    (128, 2112, 7168): 352, (128, 24576, 1536): 535, (128, 32768, 512): 358,
+    (128, 7168, 16384): 645, (128, 4096, 7168): 533, (128, 7168, 2048): 510,
+    (4096, 2112, 7168): 1009, (4096, 24576, 1536): 1125, (4096, 32768, 512): 751,
+    (4096, 7168, 16384): 1426, (4096, 4096, 7168): 1265, (4096, 7168, 2048): 1168,
+}  # fmt: skip
+DEEPGEMM_TOLERANCE = {"compute-bound": 0.15, "small M": 0.30}
+
+
+@pytest.mark.parametrize("m,n,k", list(DEEPGEMM_H800_TFLOPS))
+def test_deepgemm_h800_blockwise_tflops(m, n, k):
+    p = predict(record("output", m, n, k, ("input", "weight"), granularity="blockwise"), gpu("h800"))
+    predicted, published = 2 * m * n * k / (p.fp8_us - p.passes_us) / 1e6, DEEPGEMM_H800_TFLOPS[m, n, k]
+    tolerance = DEEPGEMM_TOLERANCE["compute-bound" if m >= 4096 else "small M"]
+    error = relative_error(predicted, published)
+    message = (
+        f"{m}x{n}x{k}: published {published} TFLOP/s, predicted {predicted:.0f}, error {error:+.1%} (tolerance +-{tolerance:.0%})"
+    )
+    assert abs(error) <= tolerance, message
+
+
+# 5d. PUBLISHED.md section D: torchao MXFP8 inference, ReLU -> Linear with M = K = N on B200,
+# observed speedup over BF16 (its roofline in the comment). Inference: the weight is quantized once
+# at conversion (an inference graph's weight costs no cast), the activation's cast per call, with
+# the ReLU fused into it as torch.compile does; BF16 runs the ReLU as its own pass. Tolerance 15%.
+TORCHAO_MXFP8_INFERENCE = {1024: 0.96, 2048: 1.22, 4096: 1.50, 8192: 1.76, 16384: 1.81}  # roofline 1.00, 1.76, 1.89, 1.94, 1.97
+TORCHAO_MXFP8_TOLERANCE = 0.15
+
+
+@pytest.mark.parametrize("size", list(TORCHAO_MXFP8_INFERENCE))
+def test_torchao_mxfp8_inference_b200(size):
+    b200 = gpu("b200")
+    p = predict(record("output", size, size, size, ("input", "weight"), granularity="mx", graph_kind="inference"), b200)
+    relu_us = b200.launch_us + b200.stream_us(2 * HIGH_BYTES * size * size)  # read and write the BF16 activation
+    predicted, published = (p.bf16_us + relu_us) / p.fp8_us, TORCHAO_MXFP8_INFERENCE[size]
+    error = relative_error(predicted, published)
+    message = f"M=K=N={size}: published {published}x, predicted {predicted:.3f}x, error {error:+.1%} (tolerance +-{TORCHAO_MXFP8_TOLERANCE:.0%})"
+    assert abs(error) <= TORCHAO_MXFP8_TOLERANCE, message
+
+
+# --- 6. Unit behaviour ------------------------------------------------------------------------------
 
 
 def test_a_gemm_kept_high_costs_the_same():
