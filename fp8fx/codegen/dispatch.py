@@ -68,7 +68,7 @@ def scaled_mm_supports(variant: GemmVariant) -> str:
     if scaled_mm_kind(block_a, block_b):
         return ""
     if block_a == [1, 32] and block_b == [32, 1]:
-        return f"MX scale blocks {block_a} x {block_b} (torch._scaled_mm takes them only as swizzled E8M0 scales)"
+        return f"MX scale blocks {block_a} x {block_b}, which it takes only as swizzled E8M0 scales"
     return f"scale blocks {block_a} x {block_b}"
 
 

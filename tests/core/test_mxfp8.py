@@ -13,6 +13,7 @@ from torch import nn
 from torchao.prototype.mx_formats.config import ScaleCalculationMode
 from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
 
+from fp8fx.codegen.dispatch import scaled_mm_kind
 from fp8fx.core import scaling
 from fp8fx.core.policy import Policy, PolicyError, Rule, Settings
 from fp8fx.core.policy_yaml import policy_from_yaml
@@ -210,6 +211,11 @@ def test_mlp_trains_under_mxfp8_close_to_fp32():
     inp = report.find(site="inp")
     assert inp and all(op.precision == "high" and op.reason_kind == "shape" for op in inp)
     assert all("K=48 is not a multiple of 32" in op.reason for op in inp)
+
+
+def test_scaled_mm_is_not_claimed_for_mx_blocks():
+    assert scaled_mm_kind([1, 32], [32, 1]) is None
+    assert scaled_mm_kind([1, 128], [128, 128]) == "blockwise"
 
 
 def test_compiled_mx_linear_matches_torchao():
