@@ -5,13 +5,22 @@ Run: python bench/train_step.py [--inner inductor|eager|both] [--layers 2 --dim 
 Prints, per inner compiler, the first step (compile + run) and the median of the next steps, and
 the ratios the project targets: fp8fx step <= 0.8x torchao emulate, first step <= 1.15x plain.
 Needs the bench extra (torchao, transformers). Compile caches are off so every first step compiles.
+
+--warm: Inductor's caches on, each first step in its own process, twice per compiler over one
+fresh cache directory: the cold first step, then a second process's (warm) one, and whether
+fp8fx's report in the warm process equals the cold one. Target: fp8fx warm <= 1.2x plain warm.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -72,6 +81,35 @@ def run(inner: str, base: torch.nn.Module, tokens: torch.Tensor, steps: int, fus
     return results
 
 
+def first_step_child(args) -> None:
+    """One process, caches on: the first step of `args.child` ("plain" | "fp8fx") as JSON."""
+    base = build_model(args)
+    tokens = torch.randint(0, 256, (args.batch, args.seq))
+    warm_up("inductor")
+    backend = fp8fx.backend(inner="inductor") if args.child == "fp8fx" else "inductor"
+    first, _ = time_steps(base, torch.compile(base, backend=backend), tokens, 1)
+    report = fp8fx.report(backend).to_dict() if args.child == "fp8fx" else None
+    print(json.dumps({"first": first, "report": report}, default=str))
+
+
+def warm(args) -> None:
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        shape = ["--layers", str(args.layers), "--dim", str(args.dim), "--seq", str(args.seq), "--batch", str(args.batch)]
+        runs = {}
+        for name in ("plain", "fp8fx"):
+            for when in ("cold", "warm"):
+                out = subprocess.run([sys.executable, __file__, "--child", name, *shape], env=env, capture_output=True, text=True, check=True)
+                runs[name, when] = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"Llama {args.layers} layers, dim {args.dim}, batch {args.batch} x seq {args.seq}; inner=inductor, caches on, a process per first step")
+    for name in ("plain", "fp8fx"):
+        print(f"  {name:6s} first step: cold {runs[name, 'cold']['first']:6.2f} s   warm {runs[name, 'warm']['first']:6.2f} s")
+    ratio = runs["fp8fx", "warm"]["first"] / runs["plain", "warm"]["first"]
+    print(f"  fp8fx warm / plain warm first step = {ratio:.2f}   (target <= 1.2)")
+    same = runs["fp8fx", "warm"]["report"] == runs["fp8fx", "cold"]["report"]
+    print(f"  fp8fx report of the warm process equals the cold one's: {same}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--inner", default="both", choices=["inductor", "eager", "both"])
@@ -81,7 +119,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--no-fusion", action="store_true", help="keep fp8fx's FP8 GEMMs unfused (fuse_epilogues=False)")
+    ap.add_argument("--warm", action="store_true", help="cold vs warm (cached) first step, each in its own process")
+    ap.add_argument("--child", choices=["plain", "fp8fx"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        return first_step_child(args)
+    if args.warm:
+        return warm(args)
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     base = build_model(args)

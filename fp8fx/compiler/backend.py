@@ -25,6 +25,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 import fp8fx.ops  # noqa: F401  (registers the fp8fx::* operators)
 from fp8fx.codegen.dispatch import triton_available
 from fp8fx.codegen.variants import device_target
+from fp8fx.compiler import cache
 from fp8fx.compiler.state import BUFFERS, Fp8State, instance_keys, locate
 from fp8fx.core.patterns import BY_TARGET, OPAQUE
 from fp8fx.core.policy import Policy
@@ -238,6 +239,15 @@ class Fp8fxBackend:
         run._boxed_call = getattr(fn, "_boxed_call", False)  # called as fn was: boxed, inputs freed early
         return run
 
+    def cache_key(self) -> str | None:
+        """The key of this backend's rewrite for Inductor's caches (`fp8fx.compiler.cache`); None
+        when its graphs call back into this process (monitor, shadow checks, numerics probes)."""
+        if self.monitor is not None or self.shadow is not None or self.numerics is not None:
+            return None
+        options = {"policy": self.policy.to_dict(), "fuse_epilogues": self.fuse_epilogues, "kernels": self.kernels,
+                   "overrides": sorted(self.overrides.items())}  # fmt: skip
+        return cache.pass_key(options)
+
     def _switch(self, site: str, role: str, reason: str) -> None:
         """A shadow check's verdict: this GEMM runs in high precision from the next call on."""
         self.overrides[(site, role)] = reason
@@ -363,15 +373,24 @@ class Fp8fxBackend:
             fw_compiler=boxed("forward"), bw_compiler=boxed("backward"), inference_compiler=boxed("inference"), partition_fn=partition_fn
         )(gm, example_inputs)
 
-    @staticmethod
-    def _compile_inductor(gm: fx.GraphModule, example_inputs: list[Any], rewrite: _Rewrite):
+    def _compile_inductor(self, gm: fx.GraphModule, example_inputs: list[Any], rewrite: _Rewrite):
         from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
-        from torch._inductor.decomposition import select_decomp_table
 
-        decompositions = {op: fn for op, fn in select_decomp_table().items() if op not in KEPT_WHOLE}
-        with inductor_config.patch(joint_custom_pre_pass=_InductorJointPass(rewrite)):
-            return compile_fx(gm, example_inputs, decompositions=decompositions)
+        key = rewrite.pass_key()
+        records_key = cache.graph_key(key, gm, example_inputs) if key is not None else None
+        first = len(self.graphs)
+        with cache.kept_whole(KEPT_WHOLE), inductor_config.patch(joint_custom_pre_pass=_InductorJointPass(rewrite)):
+            compiled = compile_fx(gm, example_inputs)
+        made = self.graphs[first:]
+        if records_key is not None and made:
+            cache.save_records(records_key, [{"kind": g.kind, "ops": g.ops, "non_gemm_bytes": g.non_gemm_bytes} for g in made])
+        elif records_key is not None:  # served from Inductor's cache: the pass did not run
+            for g in cache.load_records(records_key):
+                index = len(self.graphs)
+                ops = [replace(op, graph=index) for op in g["ops"]]
+                self.graphs.append(GraphRecord(index, g["kind"], ops, rewrite.params, rewrite.state, g["non_gemm_bytes"]))
+        return compiled
 
 
 class _Planned(Exception):
@@ -403,6 +422,12 @@ class _Rewrite:
     def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
         return self.backend.rewrite(gm, self.params, self.state_keys, self.state, self.param_inputs)
 
+    def pass_key(self) -> str | None:
+        """The backend's cache key with what this graph's rewrite adds (parameter inputs, delayed states)."""
+        key = self.backend.cache_key()
+        group = _amax_group_name(self.state) if self.state_keys else None
+        return cache.pass_key({"backend": key, "params": sorted(self.param_inputs), "states": self.state_keys, "group": group}) if key else None
+
 
 class _InductorJointPass(CustomGraphPass):
     def __init__(self, rewrite: _Rewrite):
@@ -412,9 +437,9 @@ class _InductorJointPass(CustomGraphPass):
         self.rewrite(graph.owning_module)
         decompose_nodes(graph, KEPT_WHOLE)
 
-    def uuid(self) -> None:
-        # No cache key: a cached compile would skip the pass and leave the report empty.
-        return None
+    def uuid(self) -> str | None:
+        # With a key, a cached compile skips the pass; the backend then reads its records back.
+        return self.rewrite.pass_key()
 
 
 DEFAULT_BACKEND = Fp8fxBackend()  # what `backend="fp8fx"` resolves to (entry point)

@@ -1,0 +1,116 @@
+"""Compile caches for fp8fx's graphs: what Inductor's FX graph cache and AOTAutograd's cache need
+to take them, and the report records kept beside them.
+
+Inductor caches a compile when every custom pass in its config has a key (`CustomGraphPass.uuid`)
+and everything else it hashes pickles. fp8fx's joint pass is deterministic given the graph, the
+policy, the backend's options and fp8fx's own code, so its key hashes those (`pass_key`). A cache
+hit skips the pass, and with it the report records the pass would have made: they are written next
+to Inductor's cache when the pass runs (`save_records`) and read back on a hit (`load_records`),
+keyed by the Dynamo graph and its inputs as well (`graph_key`).
+
+Compiles whose graphs call back into this process (the monitor, shadow checks and numerics probes
+pass handler ids) have no key: Inductor compiles them afresh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+
+from fp8fx.reporting.records import OpRecord
+
+RECORDS_DIR = "fp8fx-records"
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of fp8fx's code: a cached compile never outlives a change to the passes."""
+    root = Path(__file__).parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _digest(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def pass_key(options: dict[str, Any]) -> str:
+    """The key of fp8fx's joint pass for a backend's `options` (policy, code generation, ...)."""
+    return _digest(source_digest(), options)
+
+
+def graph_key(pass_key: str, gm: fx.GraphModule, example_inputs: list[Any]) -> str:
+    """The key of one Dynamo graph's records: the pass key, the graph's code and its inputs."""
+    inputs = [
+        (tuple(x.shape), str(x.dtype), tuple(x.stride()), x.requires_grad, isinstance(x, torch.nn.Parameter))
+        if isinstance(x, torch.Tensor) else repr(x)
+        for x in example_inputs
+    ]  # fmt: skip
+    return _digest(pass_key, gm.code, inputs)
+
+
+def _records_path(key: str) -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / RECORDS_DIR / f"{key}.json"
+
+
+def save_records(key: str, graphs: list[dict[str, Any]]) -> None:
+    """Keep the records of the graphs one compile made: (kind, ops, non_gemm_bytes) each."""
+    path = _records_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = [{**g, "ops": [asdict(op) for op in g["ops"]]} for g in graphs]
+    tmp = path.with_suffix(f".{id(data)}.tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)  # readers never see a partial file
+
+
+def load_records(key: str) -> list[dict[str, Any]]:
+    """The records `save_records` kept for `key`; raises naming the file when they are missing,
+    which means Inductor's cache holds fp8fx compiles whose records were deleted."""
+    path = _records_path(key)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise RuntimeError(
+            f"fp8fx: Inductor's cache served a compile of fp8fx's, but its report records ({path}) are "
+            f"missing or unreadable ({type(e).__name__}); delete the cache directory {path.parents[1]} to recompile"
+        ) from None
+    names = {f.name for f in fields(OpRecord)}
+    return [{**g, "ops": [OpRecord(**_tuples({k: v for k, v in op.items() if k in names})) for op in g["ops"]]} for g in data]
+
+
+def _tuples(value: Any) -> Any:
+    """JSON lists back to the tuples the records hold."""
+    if isinstance(value, dict):
+        return {k: _tuples(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    return value
+
+
+@contextlib.contextmanager
+def kept_whole(ops: tuple) -> Iterator[None]:
+    """Inductor's decomposition table without `ops` while a compile traces. (Passing a table of
+    one's own to compile_fx makes the FX graph cache bypass every graph: it cannot key it.)"""
+    from torch._inductor import decomposition
+
+    tables = (decomposition.decompositions, decomposition.extra_random_decomps)
+    removed = [(table, op, table.pop(op)) for table in tables for op in ops if op in table]
+    try:
+        yield
+    finally:
+        for table, op, fn in removed:
+            table[op] = fn
