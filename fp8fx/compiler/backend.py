@@ -244,8 +244,9 @@ class Fp8fxBackend:
         when its graphs call back into this process (monitor, shadow checks, numerics probes)."""
         if self.monitor is not None or self.shadow is not None or self.numerics is not None:
             return None
+        # Kernel choices also depend on whether Triton imports here and on the GPUs' measured tables.
         options = {"policy": self.policy.to_dict(), "fuse_epilogues": self.fuse_epilogues, "kernels": self.kernels,
-                   "overrides": sorted(self.overrides.items())}  # fmt: skip
+                   "overrides": sorted(self.overrides.items()), "triton": triton_available(), "tables": cache.tables_digest()}  # fmt: skip
         return cache.pass_key(options)
 
     def _switch(self, site: str, role: str, reason: str) -> None:

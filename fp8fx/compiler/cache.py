@@ -42,6 +42,17 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
+def tables_digest() -> str:
+    """A digest of the measured dispatch tables `fp8fx selftest` wrote (fp8fx.codegen.dispatch)."""
+    from fp8fx.codegen.dispatch import table_path
+
+    h = hashlib.sha256()
+    for path in sorted(table_path("x").parent.glob("dispatch-*.json")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
 def _digest(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
