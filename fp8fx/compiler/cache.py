@@ -63,13 +63,15 @@ def pass_key(options: dict[str, Any]) -> str:
 
 
 def graph_key(pass_key: str, gm: fx.GraphModule, example_inputs: list[Any]) -> str:
-    """The key of one Dynamo graph's records: the pass key, the graph's code and its inputs."""
+    """The key of one Dynamo graph's records: the pass key, the graph's code, its inputs and the
+    grad mode (the same graph compiles to a training graph, or under no_grad to an inference one)."""
     inputs = [
         (tuple(x.shape), str(x.dtype), tuple(x.stride()), x.requires_grad, isinstance(x, torch.nn.Parameter))
         if isinstance(x, torch.Tensor) else repr(x)
         for x in example_inputs
     ]  # fmt: skip
-    return _digest(pass_key, gm.code, inputs)
+    modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+    return _digest(pass_key, gm.code, inputs, modes)
 
 
 def _records_path(key: str) -> Path:
