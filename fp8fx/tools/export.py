@@ -9,8 +9,12 @@ The same passes that compile a model (find_matmuls, assign_precision) run on the
   model's delayed-scaling state when it has one for that operand;
 - the weight (right operand, a parameter) is stored as an FP8 initializer in the K x N layout the
   GEMM reads, with its scales as the policy says: one (tensorwise), one per output channel
-  (rowwise, `axis`), or one per 128 x 128 block (blockwise: opset 21's `block_size` along K, the
-  block scale repeated over the block's columns), followed by DequantizeLinear.
+  (rowwise, `axis`), one per 128 x 128 block (blockwise: opset 21's `block_size` along K, the
+  block scale repeated over the block's columns), or one per 32 elements along K (mx: the E8M0
+  powers of two, stored in the GEMM's float type), followed by DequantizeLinear. ONNX's FLOAT8E8M0
+  scales need DequantizeLinear-24, which onnxruntime (1.32) cannot run, and every export is
+  checked in onnxruntime. MX activations are quantized per block as they are computed, which no
+  ONNX op does: they get the static per-tensor pair below, as blockwise ones do.
 
 Scales are stored in the GEMM's dtype (float32, float16 or bfloat16: QuantizeLinear takes its
 input's type, DequantizeLinear returns its scale's), rounded up to it so that quantizing with them
@@ -112,7 +116,9 @@ def _weight_view(gm: fx.GraphModule, right: fx.Node, site: str) -> Tensor:
     """The GEMM's right operand (K x N) computed from its parameter."""
     root, chain = strip_layout(right)
     if root.op != "get_attr":
-        raise ExportError(f"site {site}: the right operand of an FP8 GEMM must be a parameter for export (found {root.format_node()}); keep the site high with a policy rule")
+        raise ExportError(
+            f"site {site}: the right operand of an FP8 GEMM must be a parameter for export (found {root.format_node()}); keep the site high with a policy rule"
+        )
     value = gm
     for name in root.target.split("."):  # a parameter, buffer or constant (tied weights have several names)
         value = getattr(value, name)
@@ -137,16 +143,27 @@ def _quantized_weight(w: Tensor, decision, dtype: torch.dtype, opset: int, site:
         return fp8, scale_inv.reshape(()), 1, 0
     if decision.granularity is Granularity.ROWWISE:  # one scale per output channel (column of K x N)
         return fp8, scale_inv.reshape(-1).contiguous(), 1, 0
-    if decision.granularity is not Granularity.BLOCKWISE:
-        raise ExportError(f"site {site}: {decision.granularity.value} weight scales have no ONNX export; keep the site high or use another granularity")
+    if decision.granularity not in (Granularity.BLOCKWISE, Granularity.MX):
+        raise ExportError(
+            f"site {site}: {decision.granularity.value} weight scales have no ONNX export; keep the site high or use another granularity"
+        )
     if opset < BLOCKED_OPSET:
-        raise ExportError(f"site {site}: blockwise weight scales need opset {BLOCKED_OPSET} or newer (DequantizeLinear block_size); got --opset {opset}")
-    # 128 x 128 blocks -> blocks of 128 along K, one scale per column (repeated over the block's columns)
+        raise ExportError(
+            f"site {site}: {decision.granularity.value} weight scales need opset {BLOCKED_OPSET} or newer (DequantizeLinear block_size); got --opset {opset}"
+        )
+    if not torch.isfinite(scale_inv).all():
+        raise ExportError(
+            f"site {site}: a weight block's scale does not fit in {dtype} (largest |w| {w.abs().max().item():.3g}); keep the site high or export in float32"
+        )
+    # 128 x 128 blocks -> blocks of 128 along K, one scale per column (repeated over the block's
+    # columns); MX's 32 x 1 blocks are that already.
     per_column = scale_inv.repeat_interleave(block[1], dim=1)[:, : w.shape[1]]
     return fp8, per_column.contiguous(), 0, block[0]
 
 
-def _activation_scale_inv(model: nn.Module, site: str, fmt: Fp8Format, decision, amax: float | None, dtype: torch.dtype) -> Tensor:
+def _activation_scale_inv(
+    model: nn.Module, site: str, fmt: Fp8Format, decision, amax: float | None, dtype: torch.dtype
+) -> Tensor:
     owner = state_for(list(model.parameters())) if decision.delayed is not None else None
     state = owner.get(state_key(site, "output", "input")) if owner is not None else None
     if state is not None and int(state.steps) > 0:  # delayed scaling: the scale training ended with
@@ -173,7 +190,9 @@ class _AmaxRecorder(fx.Interpreter):
         return out
 
 
-def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, calibration: list[tuple], opset: int) -> tuple[list[SiteExport], dict[str, str]]:
+def _rewrite(
+    gm: fx.GraphModule, model: nn.Module, policy: Policy, calibration: list[tuple], opset: int
+) -> tuple[list[SiteExport], dict[str, str]]:
     ctx = PassContext(policy)
     find_matmuls(gm, ctx)
     assign_precision(gm, ctx)
@@ -185,7 +204,9 @@ def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, calibration: 
         gemm_names[site.name] = gemm.node.name
         if decision.fp8:
             if not BY_KIND[site.op].exportable:
-                raise ExportError(f"site {site.name}: FP8 {site.op} cannot be exported (ONNX QDQ export takes mm/addmm with a weight); keep it high with a policy rule")
+                raise ExportError(
+                    f"site {site.name}: FP8 {site.op} cannot be exported (ONNX QDQ export takes mm/addmm with a weight); keep it high with a policy rule"
+                )
             fp8.append((site.name, gemm.node, decision))
     recorder = _AmaxRecorder(gm, {matmul_operands(node)[0] for _, node, _ in fp8})
     with torch.no_grad():
@@ -204,7 +225,8 @@ def _rewrite(gm: fx.GraphModule, model: nn.Module, policy: Policy, calibration: 
             x_scale = gm.graph.get_attr(buffers["input_scale_inv"])
             q = gm.graph.call_function(torch.ops.fp8fx.export_qdq.default, (left, x_scale, decision.formats[0].value))
             w = gm.graph.call_function(
-                torch.ops.fp8fx.export_dequantize.default, (gm.graph.get_attr(buffers["weight"]), gm.graph.get_attr(buffers["weight_scale_inv"]), axis, block_size)
+                torch.ops.fp8fx.export_dequantize.default,
+                (gm.graph.get_attr(buffers["weight"]), gm.graph.get_attr(buffers["weight_scale_inv"]), axis, block_size),
             )
         node.replace_input_with(left, q)
         node.replace_input_with(right, w)
@@ -255,14 +277,18 @@ def export_onnx(
         import onnxruntime  # noqa: F401
         import onnxscript  # noqa: F401
     except ImportError as e:
-        raise ExportError(f"ONNX export needs onnx, onnxruntime and onnxscript ({e.name} is missing): pip install 'fp8fx[onnx]'") from e
+        raise ExportError(
+            f"ONNX export needs onnx, onnxruntime and onnxscript ({e.name} is missing): pip install 'fp8fx[onnx]'"
+        ) from e
     if opset < MIN_OPSET:
         raise ExportError(f"--opset {opset}: FP8 QuantizeLinear/DequantizeLinear need opset {MIN_OPSET} or newer")
     modes = {module: module.training for module in model.modules()}
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", TORCH_INTERNAL_WARNING, FutureWarning)
-            return _export(model.eval(), tuple(example_inputs), Path(path), policy or Policy(), calibration, opset, dynamic, verify)
+            return _export(
+                model.eval(), tuple(example_inputs), Path(path), policy or Policy(), calibration, opset, dynamic, verify
+            )
     finally:
         for module, training in modes.items():
             module.training = training
@@ -361,7 +387,9 @@ def _clamps_as_max_min(graph) -> None:
         act.replace_input_with(1, last)
 
 
-def _check(proto, file: str, example_inputs: tuple, emulated: list[Tensor], original: list[Tensor], verify: bool) -> tuple[float | None, float | None]:
+def _check(
+    proto, file: str, example_inputs: tuple, emulated: list[Tensor], original: list[Tensor], verify: bool
+) -> tuple[float | None, float | None]:
     import onnx
 
     custom = {n.domain for n in proto.graph.node if n.domain not in ("", "ai.onnx")}
@@ -398,11 +426,15 @@ def _check(proto, file: str, example_inputs: tuple, emulated: list[Tensor], orig
             # the emulation's SQNR against the original model instead (40 dB when the emulation is exact).
             needed, reached = min(sqnr_db(high, want), HALF_FLOOR_DB) - HALF_MARGIN_DB, sqnr_db(high, got)
             if not reached >= needed:
-                raise ExportError(f"onnxruntime's float16 output has an SQNR of {reached:.1f} dB against the original model, {needed:.1f} dB needed (fp8fx's emulation: {sqnr_db(high, want):.1f} dB): the ONNX model does not compute what fp8fx does")
+                raise ExportError(
+                    f"onnxruntime's float16 output has an SQNR of {reached:.1f} dB against the original model, {needed:.1f} dB needed (fp8fx's emulation: {sqnr_db(high, want):.1f} dB): the ONNX model does not compute what fp8fx does"
+                )
             continue
         tolerance = 1e-4 * want.abs().max().item() + 1e-6  # float rounding: summation order differs
         if output_diff > tolerance:
-            raise ExportError(f"onnxruntime's output differs from fp8fx's emulation by {output_diff:.3g} (tolerance {tolerance:.3g}): the ONNX model does not compute what fp8fx does")
+            raise ExportError(
+                f"onnxruntime's output differs from fp8fx's emulation by {output_diff:.3g} (tolerance {tolerance:.3g}): the ONNX model does not compute what fp8fx does"
+            )
     sqnr = min(sqnr_db(o, p) for o, p in zip(original, produced))
     return diff, sqnr
 
@@ -411,7 +443,11 @@ def _onnx_nodes(proto, gemm_fx_name: str) -> list[str]:
     """The ONNX nodes a GEMM became (the exporter records the FX node on each), with the
     DequantizeLinear / QuantizeLinear nodes feeding it."""
     producer = {out: node for node in proto.graph.node for out in node.output}
-    found = [n for n in proto.graph.node if any(p.key == "pkg.torch.onnx.fx_node" and p.value.startswith(f"%{gemm_fx_name} :") for p in n.metadata_props)]
+    found = [
+        n
+        for n in proto.graph.node
+        if any(p.key == "pkg.torch.onnx.fx_node" and p.value.startswith(f"%{gemm_fx_name} :") for p in n.metadata_props)
+    ]
     queue = list(found)
     while queue:
         for name in queue.pop().input:

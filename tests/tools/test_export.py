@@ -54,7 +54,9 @@ ACTIVATIONS = {"relu": nn.ReLU, "relu6": nn.ReLU6, "gelu": nn.GELU, "silu": nn.S
 def mlp(activation: str, rank: int, bias: bool, dims=(64, 32, 16), seed: int = 0):
     """Linear -> activation -> Linear and an input of the given rank."""
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(dims[0], dims[1], bias=bias), ACTIVATIONS[activation](), nn.Linear(dims[1], dims[2], bias=bias))
+    model = nn.Sequential(
+        nn.Linear(dims[0], dims[1], bias=bias), ACTIVATIONS[activation](), nn.Linear(dims[1], dims[2], bias=bias)
+    )
     return model, (torch.randn(*(2, 8, dims[0]) if rank == 3 else (8, dims[0])),)
 
 
@@ -120,6 +122,34 @@ def test_blockwise_needs_opset_21_and_writes_nothing_before(tmp_path):
     proto = onnx.load(out)
     blocks = [a.i for n in proto.graph.node if n.op_type == "DequantizeLinear" for a in n.attribute if a.name == "block_size"]
     assert [b for b in blocks if b] == [128] * result.fp8_weights  # activations: per tensor (0)
+
+
+def test_mxfp8_weights_are_torchaos_mx_blocks_and_need_opset_21(tmp_path):
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    model, inputs = mlp("gelu", rank=3, bias=True, dims=(64, 96, 32))
+    out, policy = tmp_path / "m.onnx", fp8fx.Policy.from_recipe("mxfp8")
+    with pytest.raises(ExportError, match=r"^site 0: mx weight scales need opset 21 or newer"):
+        export_onnx(model, inputs, out, policy, opset=20)
+    assert not out.exists()
+    result = export_onnx(model, inputs, out, policy)
+    assert result.verified and result.fp8_weights == 2 and result.sqnr_vs_original_db > 25
+    proto = onnx.load(out)
+    values = {init.name: onnx.numpy_helper.to_array(init) for init in proto.graph.initializer}
+    dequantizes = [
+        n
+        for n in proto.graph.node
+        if n.op_type == "DequantizeLinear" and values.get(n.input[0]) is not None and values[n.input[0]].ndim == 2
+    ]
+    assert len(dequantizes) == 2
+    for node, linear in zip(dequantizes, (model[0], model[2])):
+        assert {a.name: a.i for a in node.attribute} == {"axis": 0, "block_size": 32}
+        data, scale_inv = (torch.from_numpy(values[name].astype("float32")) for name in node.input[:2])
+        e8m0, mx_data = to_mx(linear.weight.detach(), torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)
+        # K x N in the file, N x K in the module; torchao's E8M0 exponents are the file's scales
+        assert torch.equal(data, mx_data.float().T)
+        assert torch.equal(scale_inv, torch.exp2(e8m0.view(torch.uint8).float() - 127).reshape(linear.out_features, -1).T)
 
 
 def test_dynamic_batch_and_sequence(tmp_path):
@@ -226,9 +256,15 @@ def test_a_mismatch_with_the_emulation_is_an_error(tmp_path, monkeypatch):
 
 def test_cli_export(tmp_path):
     out = tmp_path / "m.onnx"
-    result = CliRunner().invoke(app, ["export", str(ASSETS / "transformer.py"), "--onnx", str(out), "--recipe", "rowwise", "--calibrate", "2"])
+    result = CliRunner().invoke(
+        app, ["export", str(ASSETS / "transformer.py"), "--onnx", str(out), "--recipe", "rowwise", "--calibrate", "2"]
+    )
     assert result.exit_code == 0, result.output
-    assert out.exists() and "9 QuantizeLinear, 18 DequantizeLinear, 9 FP8 weights" in result.stdout and "SQNR against the original model" in result.stdout
+    assert (
+        out.exists()
+        and "9 QuantizeLinear, 18 DequantizeLinear, 9 FP8 weights" in result.stdout
+        and "SQNR against the original model" in result.stdout
+    )
     bad = CliRunner().invoke(app, ["export", str(ASSETS / "transformer.py"), "--onnx", str(tmp_path / "x.onnx"), "--opset", "17"])
     assert bad.exit_code == 1 and "need opset 19 or newer" in bad.output and not (tmp_path / "x.onnx").exists()
 
@@ -306,12 +342,20 @@ def test_float16_exports_verified_and_bfloat16_unverified_on_request(tmp_path):
     (tmp_path / "bf16.py").write_text(BF16_MODEL)
     bf16 = load_model_file(tmp_path / "bf16.py", real_weights=True)
     out = tmp_path / "b.onnx"
-    with pytest.raises(ExportError, match=r"computes in bfloat16, .* cannot be verified: export model.half\(\) or model.float\(\), or .* verify=False \(--no-verify\)"):
+    with pytest.raises(
+        ExportError,
+        match=r"computes in bfloat16, .* cannot be verified: export model.half\(\) or model.float\(\), or .* verify=False \(--no-verify\)",
+    ):
         export_onnx(bf16.model, bf16.example_inputs, out)
     assert not out.exists()
     args = ["export", str(tmp_path / "bf16.py"), "--onnx", str(out)]
     refused = CliRunner().invoke(app, args)
-    assert refused.exit_code == 1 and refused.output.count("\n") == 1 and "bfloat16" in refused.output and "--no-verify" in refused.output
+    assert (
+        refused.exit_code == 1
+        and refused.output.count("\n") == 1
+        and "bfloat16" in refused.output
+        and "--no-verify" in refused.output
+    )
     assert not out.exists()
     written = CliRunner().invoke(app, [*args, "--no-verify"])
     assert written.exit_code == 0 and "not verified (--no-verify)" in written.stdout, written.output
