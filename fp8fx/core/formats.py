@@ -1,4 +1,4 @@
-"""FP8 element formats and the saturating cast into them."""
+"""FP8 element formats (and NVFP4's FP4, see fp8fx.core.fp4) and the saturating cast into FP8."""
 
 from __future__ import annotations
 
@@ -8,19 +8,23 @@ import torch
 
 
 class Fp8Format(str, Enum):
-    """An FP8 element format (OCP names; `fn` = finite-only E4M3)."""
+    """A low-precision element format of a GEMM operand: FP8 (OCP names; `fn` = finite-only E4M3)
+    or NVFP4 (FP4 E2M1 elements with E4M3 block scales; graphs carry its values in E4M3 tensors,
+    which hold every E2M1 value exactly: fp8fx.core.fp4)."""
 
     E4M3 = "e4m3"
     E5M2 = "e5m2"
+    NVFP4 = "nvfp4"
 
     @property
     def dtype(self) -> torch.dtype:
-        return _DTYPES[self]
+        """The dtype of the graph's tensors of this format (NVFP4: its E4M3 carrier)."""
+        return _DTYPES.get(self, torch.float8_e4m3fn)
 
     @property
     def max(self) -> float:
-        """Largest finite magnitude: 448 for E4M3, 57344 for E5M2."""
-        return torch.finfo(self.dtype).max
+        """Largest finite magnitude: 448 for E4M3, 57344 for E5M2, 6 for NVFP4's E2M1."""
+        return 6.0 if self is Fp8Format.NVFP4 else torch.finfo(self.dtype).max
 
 
 _DTYPES = {Fp8Format.E4M3: torch.float8_e4m3fn, Fp8Format.E5M2: torch.float8_e5m2}
@@ -28,11 +32,13 @@ FP8_DTYPES = frozenset(_DTYPES.values())
 
 
 class FormatRecipe(str, Enum):
-    """Which format each operand gets. HYBRID: E4M3 forward operands, E5M2 gradients (TE's HYBRID)."""
+    """Which format each operand gets. HYBRID: E4M3 forward operands, E5M2 gradients (TE's HYBRID).
+    NVFP4: every operand NVFP4 (needs granularity nvfp4)."""
 
     HYBRID = "hybrid"
     E4M3 = "e4m3"
     E5M2 = "e5m2"
+    NVFP4 = "nvfp4"
 
     def operand_format(self, operand_role: str) -> Fp8Format:
         """Format of an operand by its role: `input`, `weight` or `grad_output`."""
@@ -40,6 +46,8 @@ class FormatRecipe(str, Enum):
             return Fp8Format.E4M3
         if self is FormatRecipe.E5M2:
             return Fp8Format.E5M2
+        if self is FormatRecipe.NVFP4:
+            return Fp8Format.NVFP4
         return Fp8Format.E5M2 if operand_role == "grad_output" else Fp8Format.E4M3
 
 

@@ -17,7 +17,17 @@ from typing import Any
 
 from fp8fx.core.formats import FormatRecipe
 from fp8fx.core.patterns import POLICY_KINDS
-from fp8fx.core.recipes import GEMM_ROLES, RECIPES, AmaxComputeAlgo, Granularity, Level, Precision, ScaleRounding, Scaling
+from fp8fx.core.recipes import (
+    GEMM_ROLES,
+    RECIPES,
+    AmaxComputeAlgo,
+    Granularity,
+    Hadamard,
+    Level,
+    Precision,
+    ScaleRounding,
+    Scaling,
+)
 
 # TransformerEngine's names for the same three GEMMs.
 TE_GEMM_ALIASES = {"fprop": "output", "dgrad": "grad_input", "wgrad": "grad_weight"}
@@ -90,8 +100,9 @@ class Settings:
     granularity: Granularity = Granularity.TENSORWISE
     gemms: GemmPrecisions = field(default_factory=GemmPrecisions)
     # Batched matmuls (attention scores and values) multiply two activations; like TE and
-    # DeepSeek-V3 we keep them high unless a rule turns them on.
-    ops: tuple[str, ...] = ("mm", "addmm")
+    # DeepSeek-V3 we keep them high unless a rule turns them on. Grouped GEMMs (MoE experts) are
+    # the linears of their layers, in FP8 like them.
+    ops: tuple[str, ...] = ("mm", "addmm", "grouped_mm")
     power_of_two_scales: bool = False  # round scales down to powers of two (torchao's rowwise default)
     margin: int = 0  # scale = fp8_max / amax / 2**margin
     # delayed scaling only (TE's DelayedScaling knobs):
@@ -101,6 +112,10 @@ class Settings:
     fast_accum: FastAccum = field(default_factory=FastAccum)
     # granularity mx only: how the E8M0 block scales are rounded (floor|rceil; rceil when not given)
     scale_rounding: ScaleRounding | None = None
+    # granularity nvfp4 only (TE's NVFP4 defaults when not given: true, wgrad): round gradients
+    # (grad_output operands) to E2M1 stochastically; which GEMMs' operands take the Hadamard transform
+    stochastic_rounding: bool | None = None
+    hadamard: Hadamard | None = None
 
     def __post_init__(self) -> None:
         _bool(self.power_of_two_scales, "power_of_two_scales")
@@ -138,6 +153,33 @@ class Settings:
                 object.__setattr__(self, "scale_rounding", ScaleRounding.RCEIL)
             if self.margin:
                 raise PolicyError("margin", f"MX's E8M0 scales take no margin (granularity mx), got {self.margin}")
+        self._check_nvfp4()
+
+    def _check_nvfp4(self) -> None:
+        """NVFP4 is a format and a granularity at once: both or neither; its own keys only with it."""
+        nvfp4 = self.granularity is Granularity.NVFP4
+        if (self.format is FormatRecipe.NVFP4) != nvfp4:
+            key, value = ("format", self.format.value) if nvfp4 else ("granularity", self.granularity.value)
+            raise PolicyError(key, f"NVFP4 needs format nvfp4 with granularity nvfp4 (or recipe: nvfp4), got {key} {value}")
+        if self.stochastic_rounding is not None:
+            _bool(self.stochastic_rounding, "stochastic_rounding")
+        if self.hadamard is not None:
+            object.__setattr__(self, "hadamard", _enum(Hadamard, self.hadamard, "hadamard"))
+        for key in ("stochastic_rounding", "hadamard"):
+            if getattr(self, key) is not None and not nvfp4:
+                raise PolicyError(key, f"applies to NVFP4 casts; it needs granularity nvfp4, not {self.granularity.value}")
+        if not nvfp4:
+            return
+        if self.stochastic_rounding is None:
+            object.__setattr__(self, "stochastic_rounding", True)
+        if self.hadamard is None:
+            object.__setattr__(self, "hadamard", Hadamard.WGRAD)
+        if self.margin:
+            raise PolicyError("margin", f"NVFP4's scales take no margin (granularity nvfp4), got {self.margin}")
+        if self.power_of_two_scales:
+            raise PolicyError(
+                "power_of_two_scales", "NVFP4's block scales are E4M3 values, not powers of two (granularity nvfp4)"
+            )
 
 
 # Bounds that keep every setting meaningful: a margin past 32 only underflows scales, a history is
@@ -189,12 +231,19 @@ class Rule:
     amax_compute_algo: AmaxComputeAlgo | None = None
     interval: int | None = None
     scale_rounding: ScaleRounding | None = None
+    stochastic_rounding: bool | None = None
+    hadamard: Hadamard | None = None
 
     def __post_init__(self) -> None:
         # The Settings a rule sets are checked by building Settings from them (and again, merged
-        # with the defaults, by the Policy). A rule may set scale_rounding alone for mx defaults.
+        # with the defaults, by the Policy). A rule may set scale_rounding alone for mx defaults,
+        # and the NVFP4 keys alone for nvfp4 defaults.
         given = {name: getattr(self, name) for name in _RULE_SETTINGS if getattr(self, name) is not None}
-        base = Settings(granularity=Granularity.MX) if "scale_rounding" in given and "granularity" not in given else Settings()
+        base = Settings()
+        if "scale_rounding" in given and "granularity" not in given:
+            base = Settings(granularity=Granularity.MX)
+        elif given.keys() & {"stochastic_rounding", "hadamard", "format", "granularity"} and _mentions_nvfp4(given):
+            base = Settings(format=FormatRecipe.NVFP4, granularity=Granularity.NVFP4)
         checked = replace(base, **given)
         for name in given:
             object.__setattr__(self, name, getattr(checked, name))
@@ -221,6 +270,13 @@ class Rule:
             pattern = re.compile(self.match[3:])
             return any(pattern.fullmatch(n) for n in names)
         return any(fnmatch.fnmatchcase(n, self.match) for n in names)
+
+
+def _mentions_nvfp4(given: dict[str, Any]) -> bool:
+    """Whether a rule's settings are NVFP4 ones (checked alone on nvfp4 defaults)."""
+    if "stochastic_rounding" in given or "hadamard" in given:
+        return True
+    return any(str(getattr(given.get(key), "value", given.get(key))).lower() == "nvfp4" for key in ("format", "granularity"))
 
 
 def _gemm_overrides(value: Any, key_path: str) -> dict[str, Precision]:
@@ -254,7 +310,7 @@ def _fast_accum_overrides(value: Any, key_path: str) -> dict[str, bool]:
 # Settings a rule may set directly (all but `gemms` and `fast_accum`, which merge, and `ops`).
 _RULE_SETTINGS = (
     "format", "granularity", "power_of_two_scales", "scaling", "margin", "amax_history_len", "amax_compute_algo", "interval",
-    "scale_rounding",
+    "scale_rounding", "stochastic_rounding", "hadamard",
 )  # fmt: skip
 
 
@@ -360,6 +416,9 @@ class Policy:
         overrides = {name: getattr(rule, name) for name in _RULE_SETTINGS if getattr(rule, name) is not None}
         if overrides.get("granularity", Granularity.MX) is not Granularity.MX and "scale_rounding" not in overrides:
             overrides["scale_rounding"] = None  # the defaults' MX rounding does not carry to another granularity
+        if overrides.get("granularity", Granularity.NVFP4) is not Granularity.NVFP4:
+            for key in ("stochastic_rounding", "hadamard"):  # nor the NVFP4 keys to a granularity without them
+                overrides.setdefault(key, None)
         fast_accum = replace(self.defaults.fast_accum, **(rule.fast_accum or {}))
         settings = replace(self.defaults, gemms=GemmPrecisions(**gemms), fast_accum=fast_accum, **overrides)
         return Resolution(settings, index, rule.precision is Precision.FP8, sources)
@@ -384,6 +443,10 @@ class Policy:
         }
         if d.scale_rounding is not None:
             out["defaults"]["scale_rounding"] = d.scale_rounding.value
+        if d.stochastic_rounding is not None:
+            out["defaults"]["stochastic_rounding"] = d.stochastic_rounding
+        if d.hadamard is not None:
+            out["defaults"]["hadamard"] = d.hadamard.value
         out["rules"] = []
         for rule in self.rules:
             r: dict[str, Any] = {"match": rule.match}

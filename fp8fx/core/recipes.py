@@ -43,12 +43,15 @@ class Level(str, Enum):
 class Granularity(str, Enum):
     """One scale per tensor; per row/column along the contraction dim (torchao's axiswise);
     DeepSeek-V3's blocks (1x128 activations and gradients, 128x128 weights); or OCP Microscaling
-    (MX): one power-of-two (E8M0) scale per 32 elements along the contraction dim, every operand."""
+    (MX): one power-of-two (E8M0) scale per 32 elements along the contraction dim, every operand;
+    or NVFP4's: one E4M3 scale per 16 elements along the contraction dim (16x16 blocks for
+    weights) under one fp32 scale per tensor (format nvfp4 only)."""
 
     TENSORWISE = "tensorwise"
     ROWWISE = "rowwise"
     BLOCKWISE = "blockwise"
     MX = "mx"
+    NVFP4 = "nvfp4"
 
 
 class ScaleRounding(str, Enum):
@@ -62,8 +65,21 @@ class ScaleRounding(str, Enum):
     RCEIL = "rceil"
 
 
+class Hadamard(str, Enum):
+    """Which GEMMs' operands NVFP4 multiplies by a 16x16 random Hadamard transform along K before
+    the cast (fp8fx.core.fp4): none, or the weight gradient's (TE's NVFP4 default), whose K is the
+    token count and whose operands' outliers the transform spreads over their blocks."""
+
+    NONE = "none"
+    WGRAD = "wgrad"
+
+
 BLOCK = 128  # DeepSeek-V3's tile
 MX_BLOCK = 32  # OCP Microscaling's block
+NVFP4_BLOCK = 16  # NVFP4's block (TE: 1x16 along K; 16x16 for weights)
+# NVFP4 GEMMs need N and K in multiples of 32: a row of packed FP4 (two a byte) is then a multiple
+# of 16 bytes, the TMA and cuBLASLt alignment of Blackwell's block-scaled GEMMs.
+NVFP4_ALIGN = 32
 ALIGN = 16  # FP8 tensor-core GEMMs need N and K in multiples of 16
 
 
@@ -92,6 +108,9 @@ GRANULARITIES: dict[Granularity, GranularitySpec] = {
     Granularity.ROWWISE: GranularitySpec((1, 0), (0, 1), (1, 0), (0, 1)),
     Granularity.BLOCKWISE: GranularitySpec((1, BLOCK), (BLOCK, 1), (BLOCK, BLOCK), (BLOCK, BLOCK)),
     Granularity.MX: GranularitySpec((1, MX_BLOCK), (MX_BLOCK, 1), (1, MX_BLOCK), (MX_BLOCK, 1), align=MX_BLOCK),
+    Granularity.NVFP4: GranularitySpec(
+        (1, NVFP4_BLOCK), (NVFP4_BLOCK, 1), (NVFP4_BLOCK, NVFP4_BLOCK), (NVFP4_BLOCK, NVFP4_BLOCK), align=NVFP4_ALIGN
+    ),
 }
 
 
@@ -108,6 +127,9 @@ RECIPES: dict[str, dict[str, Any]] = {
     # torchao MXFP8 training (MXFP8TrainingOpConfig) / TE MXFP8BlockScaling: E4M3, 1x32 blocks along
     # K for every operand, E8M0 scales rounded with RCEIL
     "mxfp8": {"format": "e4m3", "granularity": "mx", "scale_rounding": "rceil"},
+    # TE NVFP4BlockScaling: E2M1 data, E4M3 scales per 1x16 block along K (16x16 for weights) under
+    # an fp32 per-tensor scale, stochastic rounding of gradients, random Hadamard transform on wgrad
+    "nvfp4": {"format": "nvfp4", "granularity": "nvfp4", "stochastic_rounding": True, "hadamard": "wgrad"},
     # TE DelayedScaling defaults: HYBRID, amax history 1024, algo max, margin 0
     "delayed": {"format": "hybrid", "scaling": "delayed", "amax_history_len": 1024, "amax_compute_algo": "max"},
     # Megatron-LM defaults: amax history 1, most recent amax

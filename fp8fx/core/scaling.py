@@ -16,6 +16,10 @@ take the amax of what they hold.
 MX (OCP Microscaling) scales are powers of two stored as E8M0 (an 8-bit biased exponent, 2**-127 to
 2**127): `e8m0_exponent` rounds an amax to one with torchao's FLOOR or RCEIL rule, `mx_scale` turns
 it into the multiplier of the convention above (`2**-exponent`; scale_inv is the E8M0 value).
+
+NVFP4 scales in two levels: one fp32 scale per tensor, `amax / (448 * 6)`, and one E4M3 scale per
+block (1x16 along K; 16x16 for weights) of the block's `amax / 6` over the per-tensor one
+(`nvfp4_scales`).
 """
 
 from __future__ import annotations
@@ -139,3 +143,41 @@ def amax_to_scale(
     if power_of_two:  # drop the mantissa bits (as the kernels do): log2/exp2 would round 2**128 - eps up to inf
         scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
     return torch.where(usable, scale, torch.ones_like(scale))
+
+
+NVFP4_E4M3_MAX = 448.0  # the block scales' format (E4M3)
+NVFP4_E2M1_MAX = 6.0  # the elements' format (E2M1)
+_E4M3_TINY = 2.0**-6  # E4M3's smallest normal: block scales are clamped to normal E4M3 values (as torchao)
+
+
+def nvfp4_tensor_scale_inv(amax: Tensor) -> Tensor:
+    """NVFP4's per-tensor (second-level) scale inverse, fp32: `amax / (448 * 6)`, so that a block
+    holding the tensor's amax gets the largest E4M3 block scale. 1 for an amax of 0 or non-finite
+    (TransformerEngine's 1 for 0), and at least the smallest normal fp32 so its inverse is finite."""
+    amax = amax.to(torch.float32)
+    usable = torch.isfinite(amax) & (amax > 0)
+    scale_inv = (amax / (NVFP4_E4M3_MAX * NVFP4_E2M1_MAX)).clamp(min=_FP32_TINY)
+    return torch.where(usable, scale_inv, torch.ones_like(scale_inv))
+
+
+def nvfp4_block_scales(block_amax: Tensor, tensor_scale_inv: Tensor) -> Tensor:
+    """The E4M3 block scales (decode factors, `float8_e4m3fn`) of blocks with largest magnitude
+    `block_amax` under the per-tensor `tensor_scale_inv`: `block_amax / 6 / tensor_scale_inv`
+    rounded to E4M3, clamped to [2**-6, 448] (torchao's `nvfp4_quantize`). A non-finite block amax
+    counts as 0 (the block gets the smallest scale)."""
+    block_amax = torch.where(torch.isfinite(block_amax), block_amax, torch.zeros_like(block_amax)).to(torch.float32)
+    return (block_amax / NVFP4_E2M1_MAX / tensor_scale_inv).clamp(min=_E4M3_TINY, max=NVFP4_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def nvfp4_scales(block_amax: Tensor) -> tuple[Tensor, Tensor]:
+    """(scale, scale_inv) per block, fp32, of an NVFP4 cast from its blocks' amaxes.
+
+    The per-tensor amax is the largest finite block amax. `scale` multiplies the data before the
+    E2M1 cast: `(1 / tensor_scale_inv) / e4m3_block_scale` (torchao's and the MSLK kernel's order,
+    clamped to the fp32 range); `scale_inv` = `tensor_scale_inv * e4m3_block_scale` is what a
+    dequantized element is `e2m1 * scale_inv` with (torchao's `get_hp_scales`)."""
+    finite = torch.where(torch.isfinite(block_amax), block_amax, torch.zeros_like(block_amax)).to(torch.float32)
+    tensor_scale_inv = nvfp4_tensor_scale_inv(finite.amax() if finite.numel() else finite.new_zeros(()))
+    block = nvfp4_block_scales(finite, tensor_scale_inv).to(torch.float32)
+    scale = ((1.0 / tensor_scale_inv) / block).clamp(max=_FP32_MAX)
+    return scale, tensor_scale_inv * block

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from fp8fx.codegen.dispatch import interpreter_active, scaled_mm_kind, triton_available
 from fp8fx.core.epilogue import Epilogue
-from fp8fx.ops import library, reference
+from fp8fx.ops import library, nvfp4, reference
 
 ALIGN = 16
 
@@ -161,3 +161,15 @@ library.cast.register_kernel("cuda")(cast_cuda)
 library.scaled_mm.register_kernel("cuda")(scaled_mm_cuda)
 library.fp8_gemm.register_kernel("cuda")(fp8_gemm_cuda)
 library.fp8_gemm.register_kernel("cpu")(fp8_gemm_cpu)
+
+
+def nvfp4_cuda(*args, **kwargs):
+    """NVFP4's ops on CUDA: no kernel yet (Blackwell's FP4 GEMMs and casts are not written)."""
+    raise NotImplementedError(
+        "fp8fx: NVFP4 (format/granularity nvfp4, recipe nvfp4) has no GPU kernels yet; it is emulated on CPU only. "
+        "On a GPU use an FP8 recipe (tensorwise, rowwise, blockwise, delayed)"
+    )
+
+
+for _op in (nvfp4.hadamard, nvfp4.nvfp4_scale, nvfp4.cast_nvfp4):
+    _op.register_kernel("cuda")(nvfp4_cuda)

@@ -61,6 +61,8 @@ class Decision:
     margin: int = 0
     delayed: DelayedSpec | None = None  # set when scaling is delayed
     fast_accum: bool = False  # Hopper's unpromoted FP8 accumulator for the whole K loop (policy fast_accum)
+    stochastic_rounding: bool = False  # NVFP4: its grad_output operands are rounded stochastically
+    hadamard: bool = False  # NVFP4: both operands take the random Hadamard transform along K
     source: str = ""  # the policy's part that settled it: "defaults", "rules[1] (match 'layers.0')"; "" when no rule could
 
     @property

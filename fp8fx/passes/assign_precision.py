@@ -11,7 +11,7 @@ from torch import fx
 
 from fp8fx.core.patterns import BY_KIND, BY_TARGET
 from fp8fx.core.policy import Policy
-from fp8fx.core.recipes import ALIGN, GEMM_ROLES, GRANULARITIES, Granularity, Precision, ScaleRounding, Scaling
+from fp8fx.core.recipes import ALIGN, GEMM_ROLES, GRANULARITIES, Granularity, Hadamard, Precision, ScaleRounding, Scaling
 from fp8fx.passes.annotation import Decision, DelayedSpec, GemmAnnotation, ReasonKind, annotate
 from fp8fx.passes.find_matmuls import (
     Gemm,
@@ -191,6 +191,8 @@ def policy_decision(policy: Policy, names: tuple[str, ...], kind: str, role: str
         power_of_two=settings.power_of_two_scales or mx,  # MX scales are E8M0: powers of two
         margin=settings.margin,
         fast_accum=settings.fast_accum[role],
+        stochastic_rounding=bool(settings.stochastic_rounding) and "grad_output" in roles,
+        hadamard=settings.hadamard is Hadamard.WGRAD and role == "grad_weight",
         delayed=(
             DelayedSpec(settings.amax_history_len, settings.amax_compute_algo, settings.interval)
             if settings.scaling is Scaling.DELAYED

@@ -46,6 +46,8 @@ class CastSpec:
     power_of_two: bool
     margin: int
     delayed: DelayedSpec | None
+    stochastic: bool = False  # NVFP4: round to E2M1 stochastically
+    hadamard_dim: int | None = None  # NVFP4: the contraction dim the random Hadamard transform runs along
 
 
 class _Inserter:
@@ -67,6 +69,8 @@ class _Inserter:
         at = next(n for n in self.graph.nodes if n.op != "placeholder") if x.op == "placeholder" else x.next
         tag_from = gemm if x.op == "placeholder" else x
         fmt, block = spec.fmt, list(spec.block)
+        if fmt is Fp8Format.NVFP4:
+            return self.quantize_nvfp4(x, spec, at, tag_from, state_key)
         with self.graph.inserting_before(at):
             amax = self.add(fp8fx_ops.amax.default, (x, block), tag_from=tag_from)
             if spec.delayed is not None:
@@ -97,6 +101,21 @@ class _Inserter:
         self.cache[(x, spec)] = q
         return q
 
+    def quantize_nvfp4(self, x: fx.Node, spec: CastSpec, at: fx.Node, tag_from: fx.Node, key: str) -> Quantized:
+        """NVFP4: block amaxes -> the two-level scales (and their inverses) -> the E2M1 cast."""
+        block = list(spec.block)
+        with self.graph.inserting_before(at):
+            amax = self.add(fp8fx_ops.amax.default, (x, block), tag_from=tag_from)
+            scales = self.add(fp8fx_ops.nvfp4_scale.default, (amax,), tag_from=tag_from)
+            scale, scale_inv = (self.add(operator.getitem, (scales, i), tag_from=tag_from) for i in range(2))
+            if self.ctx.taps.monitor is not None:
+                tap_args = (scale, [x], self.ctx.taps.monitor, Monitor.tap_key(key, spec.fmt, block))
+                scale = self.add(fp8fx_ops.tap.default, tap_args, tag_from=tag_from)
+            fp4 = self.add(fp8fx_ops.cast_nvfp4.default, (x, scale, block, spec.stochastic), tag_from=tag_from)
+        q = Quantized(fp4, scale_inv)
+        self.cache[(x, spec)] = q
+        return q
+
     def replay(self, x: fx.Node, chain: list[fx.Node], gemm: fx.Node) -> fx.Node:
         with self.graph.inserting_before(gemm):
             for view in chain:
@@ -119,14 +138,22 @@ class _Inserter:
         key = (root, tuple((v.target, repr(v.args[1:]), repr(v.kwargs)) for v in chain))
         if key not in self.views:  # e.g. q, k and v projections share one cast of their input
             self.views[key] = self.replay(root, chain, gemm)
-        q = self.quantize(self.views[key], spec, gemm, state_key)
+        if spec.hadamard_dim is not None and (key, spec.hadamard_dim) not in self.views:  # NVFP4's transform, along K
+            with self.graph.inserting_before(gemm):
+                args = (self.views[key], spec.hadamard_dim)
+                self.views[(key, spec.hadamard_dim)] = self.add(fp8fx_ops.hadamard.default, args, tag_from=gemm)
+        q = self.quantize(self.views[key if spec.hadamard_dim is None else (key, spec.hadamard_dim)], spec, gemm, state_key)
         return q.fp8, q
 
     def rewrite(self, gemm: fx.Node) -> fx.Node:
         ann = annotation(gemm)
         d = ann.decision
         left, right, bias = matmul_operands(gemm)
-        specs = [CastSpec(fmt, block, d.power_of_two, d.margin, d.delayed) for fmt, block in zip(d.formats, d.blocks)]
+        specs = [
+            CastSpec(fmt, block, d.power_of_two, d.margin, d.delayed, d.stochastic_rounding and operand_role == "grad_output",
+                     (-1, -2)[i] if d.hadamard else None)
+            for i, (fmt, block, operand_role) in enumerate(zip(d.formats, d.blocks, d.operand_roles))
+        ]  # fmt: skip
         keys = [state_key(ann.site, ann.role, operand_role) for operand_role in d.operand_roles]
         a, qa = self.operand(left, specs[0], gemm, keys[0])
         b, qb = self.operand(right, specs[1], gemm, keys[1])

@@ -38,12 +38,16 @@ class Sample:
 
 def saturation_threshold(fmt: Fp8Format) -> float:
     """Scaled magnitudes above this lose more than rounding to the format's largest value would:
-    halfway to the next step the format would have (464 for E4M3, 61440 for E5M2)."""
+    halfway to the next step the format would have (464 for E4M3, 61440 for E5M2, 7 for NVFP4's E2M1)."""
+    if fmt is Fp8Format.NVFP4:
+        return fmt.max + 1.0
     return fmt.max + 2.0 ** math.floor(math.log2(fmt.max)) * torch.finfo(fmt.dtype).eps / 2
 
 
 def underflow_threshold(fmt: Fp8Format) -> float:
-    """Scaled magnitudes at or below this round to zero: half the smallest subnormal."""
+    """Scaled magnitudes at or below this round to zero: half the smallest subnormal (E2M1's is 0.5)."""
+    if fmt is Fp8Format.NVFP4:
+        return 0.25
     return torch.finfo(fmt.dtype).smallest_normal * torch.finfo(fmt.dtype).eps / 2
 
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from fp8fx.core.scaling import expand_blocks
-from fp8fx.ops import reference, taps
+from fp8fx.core.formats import Fp8Format
+from fp8fx.core.scaling import expand_blocks, nvfp4_scales
+from fp8fx.ops import nvfp4, reference, taps
 from fp8fx.runtime.monitor import saturation_threshold
 
 EXACT_DB = 300.0  # SQNR reported when the FP8 product equals the fp64 one (no noise to measure)
@@ -155,6 +156,9 @@ def _quantize(x: Tensor, fmt, block: tuple, decision, acc: _Accumulator, i: int)
     """(fp8, scale) of one operand, as the cast ops make them; delayed scaling replays its state."""
     block = list(block)
     amax = reference.amax(x, block)
+    if fmt is Fp8Format.NVFP4:  # round to nearest, no Hadamard transform: what the output GEMM does
+        scale, _ = nvfp4_scales(amax)
+        return nvfp4.cast_nvfp4(x, scale, block, False), scale
     if decision.delayed is None:
         scale = reference.amax_to_scale(amax, fmt.max, decision.margin, decision.power_of_two)
     else:

@@ -158,9 +158,9 @@ BAD_FILES = {
     "bad_level": ("version: 1\nrecipe: tensorwise\nlevel: O4\n", "level", 3, "expected O1|O2|O3, got 'O4'"),
     "unknown_rule_key": ("version: 1\nrules:\n  - match: x\n    granularty: tensorwise\n", "rules[0].granularty", 4, "unknown key"),
     "enum_defaults": ("version: 1\ndefaults:\n  format: e4m3\n  granularity: row\n", "defaults.granularity", 4,
-                      "expected tensorwise|rowwise|blockwise|mx, got 'row'"),
+                      "expected tensorwise|rowwise|blockwise|mx|nvfp4, got 'row'"),
     "enum_rule": ("version: 1\nrules:\n  - match: a\n  - match: b\n    format: e3m4\n", "rules[1].format", 5,
-                  "expected hybrid|e4m3|e5m2, got 'e3m4'"),
+                  "expected hybrid|e4m3|e5m2|nvfp4, got 'e3m4'"),
     "enum_gemm_value": ("version: 1\ndefaults:\n  gemms: {output: low}\n", "defaults.gemms.output", 3, "expected fp8|high, got 'low'"),
     "rules_is_mapping": ("version: 1\nrules: {match: x}\n", "rules", 2, "expected a list of rules, got a mapping"),
     "missing_version": ("defaults:\n  format: e4m3\n", "version", 1, "missing"),
@@ -259,7 +259,7 @@ def test_cli_validate_good(tmp_path):
 
 
 @pytest.mark.parametrize("text,expected", [
-    ("version: 1\ndefaults:\n  granularity: row\n", "{path}:3: defaults.granularity: expected tensorwise|rowwise|blockwise|mx, got 'row'"),
+    ("version: 1\ndefaults:\n  granularity: row\n", "{path}:3: defaults.granularity: expected tensorwise|rowwise|blockwise|mx|nvfp4, got 'row'"),
     ("version: 1\nrules:\n  - match: x\n    granularty: tensorwise\n", "{path}:4: rules[0].granularty: unknown key"),
     (None, "{path}: <file>: cannot read policy file"),
 ])
