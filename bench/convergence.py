@@ -1,5 +1,6 @@
 """Convergence: a character-level GPT trained on CPU in fp32, BF16 autocast, fp8fx under every named
-recipe (lm_head high), and torchao's float8 emulate mode - same init and batches per seed.
+recipe (lm_head high), and torchao's float8 emulate mode and MXFP8 emulation - same init and batches
+per seed. `--experts E` makes every MLP a mixture of E experts (top 2) run as grouped GEMMs.
 
 Data: Python's own documentation topics (`pydoc_data.topics`), 90/10 train/validation split.
 Target: every FP8 run's final validation loss within 0.25% of fp32's, over >= 1000 steps, with
@@ -55,11 +56,52 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 
+class Experts(nn.Module):
+    """Mixture-of-experts MLPs: each token's `top_k` experts' up and down projections run as grouped
+    GEMMs over the tokens sorted by expert, as MoE models in `transformers` run them: in fp32
+    through its `grouped_mm_fallback` op (`torch._grouped_mm` takes only bfloat16 under
+    torch.compile)."""
+
+    def __init__(self, dim: int, experts: int):
+        super().__init__()
+        import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.grouped_mm_fallback)
+
+        self.up = nn.Parameter(torch.randn(experts, dim, 4 * dim) / dim**0.5)
+        self.down = nn.Parameter(torch.randn(experts, 4 * dim, dim) / (4 * dim) ** 0.5)
+
+    def forward(self, tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        top_k = chosen.shape[-1]
+        order = chosen.reshape(-1).argsort(stable=True)  # (token, slot) pairs grouped by expert
+        ends = torch.bincount(chosen.reshape(-1), minlength=self.up.shape[0]).cumsum(0).to(torch.int32)
+        hidden = F.gelu(torch.ops.transformers.grouped_mm_fallback(tokens[order // top_k], self.up, ends))
+        out = torch.ops.transformers.grouped_mm_fallback(hidden, self.down, ends) * weights.reshape(-1, 1)[order]
+        return torch.zeros_like(tokens).index_add(0, order // top_k, out)
+
+
+class MoEBlock(Block):
+    """`Block` with a mixture of experts (a linear router, top 2) in place of its MLP."""
+
+    def __init__(self, dim: int, heads: int, experts: int, top_k: int = 2):
+        super().__init__(dim, heads)
+        del self.up, self.down
+        self.top_k = top_k
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = Experts(dim, experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
+        tokens = self.norm2(x).reshape(-1, d)
+        weights, chosen = self.router(tokens).softmax(-1).topk(self.top_k, dim=-1)
+        return x + self.experts(tokens, weights, chosen).reshape(b, t, d)
+
+
 class GPT(nn.Module):
-    def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int):
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int, experts: int = 0):
         super().__init__()
         self.embed, self.pos = nn.Embedding(vocab, dim), nn.Parameter(torch.zeros(seq, dim))
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(MoEBlock(dim, heads, experts) if experts else Block(dim, heads) for _ in range(layers))
         self.norm, self.lm_head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -82,7 +124,32 @@ def prepare_run(name: str, model: nn.Module):
     if name == "torchao-emulate":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        convert_to_float8_training(model, config=Float8LinearConfig(emulate=True), module_filter_fn=lambda m, fqn: fqn != "lm_head")
+        convert_to_float8_training(
+            model, config=Float8LinearConfig(emulate=True), module_filter_fn=lambda m, fqn: fqn != "lm_head"
+        )
+        return torch.compile(model, backend="aot_eager"), torch.autocast("cpu", enabled=False)
+    if name == "torchao-mxfp8":
+        from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+        from torchao.quantization import quantize_
+        from torchao.quantization.quantize_.common import KernelPreference
+
+        # torchao 0.18's MXFP8 linear drops F.linear's bias: each bias is added after the GEMM instead.
+        for fqn, module in model.named_modules():
+            if isinstance(module, nn.Linear) and fqn != "lm_head" and module.bias is not None:
+                module.bias_after, module.bias = module.bias, None
+                module.register_forward_hook(lambda m, _args, out: out + m.bias_after)
+        config = MXFP8TrainingOpConfig(kernel_preference=KernelPreference.EMULATED, out_dtype=torch.float32)
+        if any(isinstance(m, Experts) for m in model.modules()):
+            # Measured with torchao 0.18: its emulated MXFP8 grouped GEMM asserts in to_mx ("unsupported":
+            # a non-contiguous operand of its own making), eager and compiled.
+            raise SystemExit(
+                "torchao-mxfp8 does not run with --experts on CPU: torchao's emulated MXFP8 grouped GEMM fails in to_mx"
+            )
+        quantize_(
+            model,
+            config,
+            filter_fn=lambda m, fqn: fqn != "lm_head" and not fqn.endswith("router") and isinstance(m, (nn.Linear, Experts)),
+        )
         return torch.compile(model, backend="aot_eager"), torch.autocast("cpu", enabled=False)
     if name.startswith("fp8fx-"):
         recipe = name.removeprefix("fp8fx-")
@@ -95,13 +162,16 @@ def prepare_run(name: str, model: nn.Module):
 
 def train(name: str, seed: int, args, train_data, val_data, vocab: int, writer) -> None:
     torch.manual_seed(seed)
-    model = GPT(vocab, args.dim, args.heads, args.layers, args.seq)
+    model = GPT(vocab, args.dim, args.heads, args.layers, args.seq, args.experts)
+    run, autocast = prepare_run(name, model)  # first: torchao's MXFP8 conversion makes new Parameters
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     warmup = min(50, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warmup if s < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warmup) / max(1, args.steps - warmup)))
+        opt,
+        lambda s: (
+            (s + 1) / warmup if s < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warmup) / max(1, args.steps - warmup)))
+        ),
     )
-    run, autocast = prepare_run(name, model)
     g = torch.Generator().manual_seed(seed)
     val_g = torch.Generator().manual_seed(10_000)
     val_batches = [batch(val_data, args, val_g) for _ in range(args.eval_batches)]
@@ -117,7 +187,9 @@ def train(name: str, seed: int, args, train_data, val_data, vocab: int, writer) 
         sched.step()
         if step % args.eval_every == 0 or step == args.steps:
             with torch.no_grad(), autocast:
-                val = statistics.fmean(F.cross_entropy(run(vx).float().reshape(-1, vocab), vy.reshape(-1)).item() for vx, vy in val_batches)
+                val = statistics.fmean(
+                    F.cross_entropy(run(vx).float().reshape(-1, vocab), vy.reshape(-1)).item() for vx, vy in val_batches
+                )
             writer.writerow([name, seed, step, f"{loss.item():.5f}", f"{val:.5f}", f"{time.perf_counter() - start:.1f}"])
             print(f"{name:22s} seed {seed} step {step:5d} train {loss.item():.4f} val {val:.4f}", flush=True)
     torch._dynamo.reset()
@@ -140,7 +212,9 @@ def plot(rows: list[list], out: Path) -> None:
         color = f"C{i % 10}"  # one colour per run in both plots
         ax.plot(steps, means, label=name, color=color)
         if base and name != "fp32":
-            gap_ax.plot(steps, [100 * (m - base[s]) / base[s] for s, m in zip(steps, means) if s in base], label=name, color=color)
+            gap_ax.plot(
+                steps, [100 * (m - base[s]) / base[s] for s, m in zip(steps, means) if s in base], label=name, color=color
+            )
     ax.set(xlabel="step", ylabel="validation loss (mean over seeds)", title="Character-level GPT on pydoc topics")
     gap_ax.axhspan(-0.25, 0.25, color="#2ca02c", alpha=0.15, label="target: within 0.25%")
     gap_ax.set(xlabel="step", ylabel="validation loss gap to fp32 (%)", title="Gap to fp32")
@@ -173,7 +247,9 @@ def summarize(rows: list[list]) -> None:
         verdict = "" if name == "fp32" or not gaps else ("PASS" if abs(mean_gap) <= 0.25 else "FAIL")
         spread = f"{min(gaps):+.3f}..{max(gaps):+.3f}" if gaps else "-"
         per_step = statistics.fmean(t for _s, _v, t in mine.values()) / steps
-        print(f"{name:22s} {statistics.fmean(v for _s, v, _t in mine.values()):9.4f} {mean_gap:+8.3f} {spread:>16s} {per_step:7.3f}  {verdict}")
+        print(
+            f"{name:22s} {statistics.fmean(v for _s, v, _t in mine.values()):9.4f} {mean_gap:+8.3f} {spread:>16s} {per_step:7.3f}  {verdict}"
+        )
 
 
 def read_rows(paths: list[Path]) -> list[list]:
@@ -186,9 +262,22 @@ def read_rows(paths: list[Path]) -> list[list]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for flag, default in (("--steps", 1000), ("--seeds", 3), ("--layers", 4), ("--dim", 256), ("--heads", 4), ("--seq", 128), ("--batch", 32), ("--eval-every", 100), ("--eval-batches", 8)):
+    for flag, default in (
+        ("--steps", 1000),
+        ("--seeds", 3),
+        ("--layers", 4),
+        ("--dim", 256),
+        ("--heads", 4),
+        ("--seq", 128),
+        ("--batch", 32),
+        ("--eval-every", 100),
+        ("--eval-batches", 8),
+    ):
         ap.add_argument(flag, type=int, default=default)
-    runs = ["fp32", "bf16", *(f"fp8fx-{r}" for r in fp8fx.core.recipes.RECIPES), "torchao-emulate"]
+    ap.add_argument(
+        "--experts", type=int, default=0, help="mixture-of-experts MLPs with this many experts (top 2), as grouped GEMMs"
+    )
+    runs = ["fp32", "bf16", *(f"fp8fx-{r}" for r in fp8fx.core.recipes.RECIPES), "torchao-emulate", "torchao-mxfp8"]
     ap.add_argument("--runs", default=",".join(runs), help="comma-separated subset of: " + ", ".join(runs))
     ap.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     ap.add_argument("--csv", default="convergence.csv", help="file name of this invocation's CSV in --out-dir")
