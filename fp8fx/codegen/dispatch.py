@@ -139,3 +139,15 @@ def choose_kernel(kernels: str, variant: GemmVariant, shape: tuple, device: torc
     if saved == 0:
         return "scaled_mm", "no epilogue to fuse: cuBLAS's GEMM until a measurement favours the generated kernel"
     return "triton", f"fused epilogue saves {saved} memory pass{'es' if saved > 1 else ''}"
+
+
+def grouped_launcher():
+    """The generated grouped FP8 GEMM's launcher (`grouped_fp8_gemm` of
+    `fp8fx.codegen.grouped_kernel`), or None without Triton or that launcher."""
+    if not triton_available():
+        return None
+    try:
+        from fp8fx.codegen.grouped_kernel import grouped_fp8_gemm
+    except ImportError:
+        return None
+    return grouped_fp8_gemm

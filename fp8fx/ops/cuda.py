@@ -23,8 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fp8fx.codegen.dispatch import interpreter_active, scaled_mm_kind, triton_available
+from fp8fx.codegen.dispatch import grouped_launcher, interpreter_active, scaled_mm_kind, triton_available
+from fp8fx.core import grouped
 from fp8fx.core.epilogue import Epilogue
+from fp8fx.core.formats import fp8_format_of
 from fp8fx.ops import library, nvfp4, reference
 
 ALIGN = 16
@@ -173,3 +175,48 @@ def nvfp4_cuda(*args, **kwargs):
 
 for _op in (nvfp4.hadamard, nvfp4.nvfp4_scale, nvfp4.cast_nvfp4):
     _op.register_kernel("cuda")(nvfp4_cuda)
+
+
+def _rowwise_scales(s: Tensor, spec: grouped.OperandScales, form: str, side: int, x: Tensor, offs: Tensor) -> Tensor:
+    """An operand's scale inverses per row (column) within each group: 2-D x 3-D [M_total] (left)
+    and [G, N] (right), 2-D x 2-D [G, M] and [G, N]; a group's (or matrix's) one scale repeated."""
+    groups = offs.shape[0]
+    if form == "2d-3d" and side == 0:
+        if not spec.per_group:
+            return s.reshape(-1)
+        return torch.cat([s, s.new_ones(1)])[reference._group_ids(offs, x.shape[0])]
+    lines = x.shape[-1] if side == 1 else x.shape[0]  # N of the right operand, M of the left one
+    return s.reshape(groups, -1).expand(groups, lines).contiguous()
+
+
+def fp8_grouped_mm_cuda(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, block_a, block_b, fast_accum=False) -> Tensor:
+    """`fp8fx::fp8_grouped_mm` on CUDA: the kernel `fp8fx.core.grouped.gpu_kernel` names. For
+    `torch._scaled_grouped_mm` each group is padded to a multiple of 16 (rows of the 2-D x 3-D
+    form, K of the 2-D x 2-D one: zero rows and K-slices change no product)."""
+    form, scales = reference.check_grouped_args(a, b, scale_inv_a, scale_inv_b, offs, block_a, block_b)
+    formats = tuple(fp8_format_of(x.dtype).value for x in (a, b))
+    kernel, _ = grouped.gpu_kernel(formats, scales, grouped_launcher() is not None)
+    if kernel == "emulated":
+        return reference.fp8_grouped_mm(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, block_a, block_b, fast_accum)
+    sa, sb = (
+        _rowwise_scales(s, spec, form, side, x, offs)
+        for side, (s, spec, x) in enumerate(zip((scale_inv_a, scale_inv_b), scales, (a, b)))
+    )
+    if kernel == "triton":
+        return grouped_launcher()(a, b, sa, sb, offs, out_dtype)
+    rows = a.shape[0]
+    if form == "2d-3d":
+        a, sa = reference.pad_groups(a, offs, 0, ALIGN), reference.pad_groups(sa[:, None], offs, 0, ALIGN)[:, 0]
+    else:
+        a, b, sa = reference.pad_groups(a, offs, 1, ALIGN), reference.pad_groups(b, offs, 0, ALIGN), sa.reshape(-1)
+    b = b.transpose(-2, -1).contiguous().transpose(-2, -1)  # column-major
+    padded = reference.pad_offsets(offs, ALIGN)
+    out = torch._scaled_grouped_mm(
+        a, b, sa, sb.reshape(-1) if form == "2d-2d" else sb, offs=padded, out_dtype=torch.bfloat16, use_fast_accum=fast_accum
+    )
+    if form == "2d-3d":  # the rows back from their padded places; a row of no group is 0
+        out = torch.cat([out, out.new_zeros(1, out.shape[1])])[reference.padded_positions(offs, rows, ALIGN)]
+    return out.to(out_dtype)
+
+
+library.fp8_grouped_mm.register_kernel("cuda")(fp8_grouped_mm_cuda)

@@ -8,6 +8,12 @@ The ops have no autograd formula: they are inserted into graphs that are already
 (the joint graph) or inference-only. `block` arguments describe the granularity (see
 `fp8fx.core.scaling`): `[]` tensorwise, `[b0, b1]` one scale per b0 x b1 block of the last two dims
 (0 = whole dim).
+
+Grouped GEMMs (mixture-of-experts layers) have their own chain: `grouped_amax` and `grouped_cast`
+scale each group of a 2-D operand (one scale per group, or per row / column within it: a router
+decides the groups, so no fixed block can), `pad_groups` / `pad_offsets` pad each group to a
+multiple of a block along K, and `fp8_grouped_mm` multiplies (`fp8fx.core.grouped` says where
+every granularity puts the scales).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
+from fp8fx.core import grouped
 from fp8fx.core.epilogue import Epilogue
 from fp8fx.core.scaling import scale_shape
 from fp8fx.ops import reference
@@ -25,6 +32,11 @@ amax_to_scale = custom_op("fp8fx::amax_to_scale", reference.amax_to_scale, mutat
 cast = custom_op("fp8fx::cast", reference.cast, mutates_args=())
 scaled_mm = custom_op("fp8fx::scaled_mm", reference.scaled_mm, mutates_args=())
 delayed_scale_update = custom_op("fp8fx::delayed_scale_update", reference.delayed_scale_update, mutates_args=())
+grouped_amax = custom_op("fp8fx::grouped_amax", reference.grouped_amax, mutates_args=())
+grouped_cast = custom_op("fp8fx::grouped_cast", reference.grouped_cast, mutates_args=())
+pad_offsets = custom_op("fp8fx::pad_offsets", reference.pad_offsets, mutates_args=())
+pad_groups = custom_op("fp8fx::pad_groups", reference.pad_groups, mutates_args=())
+fp8_grouped_mm = custom_op("fp8fx::fp8_grouped_mm", reference.fp8_grouped_mm, mutates_args=())
 
 
 @custom_op("fp8fx::fp8_gemm", mutates_args=())
@@ -87,3 +99,33 @@ def _(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtyp
     aux = a.new_empty(shape if ep.aux != "none" else (0,), dtype=aux_dtype)
     amax = a.new_empty(() if ep.out_amax else (0,), dtype=torch.float32)
     return a.new_empty(shape, dtype=out_dtype), aux, amax
+
+
+@grouped_amax.register_fake
+def _(x: Tensor, offs: Tensor, dim: int, lines: bool) -> Tensor:
+    return x.new_empty((offs.shape[0], x.shape[1 - dim]) if lines else (offs.shape[0],), dtype=torch.float32)
+
+
+@grouped_cast.register_fake
+def _(x: Tensor, scale: Tensor, offs: Tensor, dim: int, dtype: torch.dtype) -> Tensor:
+    return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
+
+
+@pad_offsets.register_fake
+def _(offs: Tensor, multiple: int) -> Tensor:
+    return torch.empty_like(offs)
+
+
+@pad_groups.register_fake
+def _(x: Tensor, offs: Tensor, dim: int, multiple: int) -> Tensor:
+    shape = list(x.shape)
+    shape[dim] = grouped.padded_extent(shape[dim], offs.shape[0], multiple)
+    return x.new_empty(shape)
+
+
+@fp8_grouped_mm.register_fake
+def _(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, block_a, block_b, fast_accum=False) -> Tensor:
+    form, _ = reference.check_grouped_args(a, b, scale_inv_a, scale_inv_b, offs, block_a, block_b)
+    if form == "2d-3d":
+        return a.new_empty((a.shape[0], b.shape[-1]), dtype=out_dtype)
+    return a.new_empty((offs.shape[0], a.shape[0], b.shape[-1]), dtype=out_dtype)

@@ -15,7 +15,7 @@ import math
 import torch
 from torch import Tensor
 
-from fp8fx.core import scaling
+from fp8fx.core import grouped, scaling
 from fp8fx.core.epilogue import ACTIVATIONS, Epilogue
 from fp8fx.core.formats import fp8_format_of, saturating_cast
 from fp8fx.core.scaling import block_dims, scale_shape
@@ -204,3 +204,158 @@ def fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_
     else:
         out = y.to(out_dtype)
     return out, aux, amax
+
+
+# Grouped GEMMs (mixture-of-experts layers): groups of rows (2-D x 3-D) or of K (2-D x 2-D) given
+# by `offs`, the int32 cumulative ends of the groups; group g spans [offs[g - 1], offs[g]) (from 0
+# for g = 0). Rows (K) past offs[-1] belong to no group. Where each operand's scales go:
+# fp8fx.core.grouped.
+
+
+def _group_ids(offs: Tensor, extent: int) -> Tensor:
+    """The group of each index along the grouped dimension (len(offs) past the last group)."""
+    return torch.searchsorted(offs, torch.arange(extent, device=offs.device, dtype=offs.dtype), right=True)
+
+
+def _rows(x: Tensor, dim: int) -> Tensor:
+    """`x` with its grouped dimension first."""
+    return x if dim == 0 else x.transpose(0, 1)
+
+
+def grouped_amax(x: Tensor, offs: Tensor, dim: int, lines: bool) -> Tensor:
+    """Largest magnitude of each group of the 2-D `x` along `dim` (fp32 [G]); with `lines`, of each
+    row (column) within each group ([G, x.shape[1 - dim]]). An empty group's amax is 0."""
+    rows = _rows(x.detach(), dim).abs().to(torch.float32)
+    ids = _group_ids(offs, rows.shape[0]).to(torch.int64)
+    out = rows.new_zeros((offs.shape[0] + 1, rows.shape[1]))  # the last row takes what no group holds
+    out.scatter_reduce_(0, ids[:, None].expand_as(rows), rows, "amax", include_self=True)
+    out = out[:-1]
+    return out if lines else out.amax(dim=1)
+
+
+def grouped_cast(x: Tensor, scale: Tensor, offs: Tensor, dim: int, dtype: torch.dtype) -> Tensor:
+    """Saturating cast of `x * scale` to `dtype` with one scale per group along `dim` (`scale` [G]),
+    or per row (column) within each group ([G, x.shape[1 - dim]]); what no group holds gets scale 1."""
+    rows = _rows(x, dim)
+    ids = _group_ids(offs, rows.shape[0])
+    per_group = scale.reshape(scale.shape[0], -1)  # [G, 1] or [G, lines]
+    table = torch.cat([per_group, torch.ones_like(per_group[:1])])
+    out = saturating_cast(rows.to(torch.float32) * table[ids], fp8_format_of(dtype))
+    return _rows(out, dim).contiguous()
+
+
+def pad_offsets(offs: Tensor, multiple: int) -> Tensor:
+    """The offsets of the groups once each is padded with zeros to a multiple of `multiple`."""
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    return torch.cumsum((sizes + multiple - 1) // multiple * multiple, 0).to(offs.dtype)
+
+
+def padded_positions(offs: Tensor, extent: int, multiple: int) -> Tensor:
+    """Where each of the `extent` indices along a grouped dimension goes once every group is padded
+    to a multiple of `multiple` (`fp8fx.core.grouped.padded_extent` for an index of no group)."""
+    ids = _group_ids(offs, extent)
+    starts = torch.cat([offs.new_zeros(1), offs])[ids]  # each index's group start (past the last group: offs[-1])
+    new_starts = torch.cat([offs.new_zeros(1), pad_offsets(offs, multiple)])[ids]
+    index = torch.arange(extent, device=offs.device)
+    return torch.where(
+        ids < offs.shape[0], index - starts + new_starts, grouped.padded_extent(extent, offs.shape[0], multiple)
+    ).to(torch.int64)
+
+
+def pad_groups(x: Tensor, offs: Tensor, dim: int, multiple: int) -> Tensor:
+    """`x` with each group along `dim` padded with zeros to a multiple of `multiple` (groups at
+    `pad_offsets(offs, multiple)`), to the static extent of `fp8fx.core.grouped.padded_extent`;
+    what no group holds is dropped."""
+    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # no index_copy for FP8: copy the bytes
+        return pad_groups(x.view(torch.uint8), offs, dim, multiple).view(x.dtype)
+    rows = _rows(x, dim)
+    extent = grouped.padded_extent(rows.shape[0], offs.shape[0], multiple)
+    out = rows.new_zeros((extent + 1, rows.shape[1]))  # the last row takes what is dropped
+    out.index_copy_(0, padded_positions(offs, rows.shape[0], multiple), rows)
+    return _rows(out[:-1], dim).contiguous()
+
+
+def grouped_form(a: Tensor, b: Tensor, offs: Tensor, what: str = "fp8fx::fp8_grouped_mm") -> str:
+    """The grouped GEMM form of the operands ("2d-3d" | "2d-2d"), checked."""
+    form = grouped.form_of(a.dim(), b.dim())
+    if form is None:
+        raise ValueError(f"{what}: operands must be 2-D x 3-D or 2-D x 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"{what}: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied")
+    groups = b.shape[0] if form == "2d-3d" else offs.shape[0]
+    if offs.dim() != 1 or offs.dtype != torch.int32 or offs.shape[0] != groups:
+        raise ValueError(f"{what}: offs must be int32 of shape ({groups},), got {offs.dtype} {tuple(offs.shape)}")
+    return form
+
+
+def check_grouped_args(a, b, scale_inv_a, scale_inv_b, offs, block_a, block_b) -> tuple[str, tuple]:
+    """The form and the two operands' `OperandScales`, with every scale's dtype and shape checked."""
+    form = grouped_form(a, b, offs)
+    sides = []
+    for side, (name, x, s, block) in enumerate((("a", a, scale_inv_a, block_a), ("b", b, scale_inv_b, block_b))):
+        fp8_format_of(x.dtype)
+        check_block(block, f"fp8_grouped_mm operand {name}")
+        spec = grouped.operand_scales(form, side, block)
+        expected = grouped.scale_shape(tuple(x.shape), offs.shape[0], spec)
+        if s.dtype != torch.float32 or tuple(s.shape) != tuple(expected):
+            raise ValueError(
+                f"fp8fx::fp8_grouped_mm: scale_inv_{name} must be fp32 of shape {tuple(expected)} for block {list(block)} "
+                f"({form}), got {s.dtype} {tuple(s.shape)}"
+            )
+        sides.append(spec)
+    return form, tuple(sides)
+
+
+def _group_scale(s: Tensor, spec: grouped.OperandScales, side: int, g: int, start: int, end: int) -> tuple[Tensor, list[int]]:
+    """The scale_inv and block of one group's slice of an operand, as `scaled_mm` takes them."""
+    if spec.per_group:
+        if not spec.lines:
+            return s[g], []
+        return (s[g][:, None], [1, 0]) if side == 0 else (s[g][None, :], [0, 1])
+    block = list(spec.block)
+    if spec.group_dim is None and s.dim() == 3:  # the 3-D right operand: group g's matrix
+        return s[g], block
+    if spec.align == 1:  # rows of the left operand (2-D x 3-D)
+        return s[start:end], block
+    lo, hi = start // spec.align, math.ceil(end / spec.align)  # blocks along K (2-D x 2-D)
+    return (s[:, lo:hi], block) if side == 0 else (s[lo:hi], block)
+
+
+def fp8_grouped_mm(
+    a: Tensor,
+    b: Tensor,
+    scale_inv_a: Tensor,
+    scale_inv_b: Tensor,
+    offs: Tensor,
+    out_dtype: torch.dtype,
+    block_a: list[int],
+    block_b: list[int],
+    fast_accum: bool = False,
+) -> Tensor:
+    """The grouped GEMM of FP8 operands: 2-D x 3-D `out[rows of g] = a[rows of g] @ b[g]` ([M_total,
+    N]; rows past offs[-1] are 0), 2-D x 2-D `out[g] = a[:, K of g] @ b[K of g]` ([G, M, N]), each
+    group's product the exact emulation of `scaled_mm` with that group's scales. `block_a` and
+    `block_b` are the granularity's blocks; `fp8fx.core.grouped.operand_scales` tells where they
+    put the scales. Groups scaled by blocks along K must start at multiples of the block."""
+    form, (spec_a, spec_b) = check_grouped_args(a, b, scale_inv_a, scale_inv_b, offs, block_a, block_b)
+    ends = offs.tolist()
+    align = max(spec_a.align, spec_b.align)
+    if align > 1 and any(e % align for e in ends):
+        raise ValueError(
+            f"fp8fx::fp8_grouped_mm: blocks of {align} along K need group offsets that are multiples of {align}, got {ends}"
+        )
+    if form == "2d-3d":
+        out = a.new_zeros((a.shape[0], b.shape[-1]), dtype=torch.float32)
+    else:
+        out = a.new_zeros((len(ends), a.shape[0], b.shape[-1]), dtype=torch.float32)
+    start = 0
+    for g, end in enumerate(ends):
+        if end > start:
+            sa, ba = _group_scale(scale_inv_a, spec_a, 0, g, start, end)
+            sb, bb = _group_scale(scale_inv_b, spec_b, 1, g, start, end)
+            if form == "2d-3d":
+                out[start:end] = scaled_mm(a[start:end], b[g], sa, sb, None, torch.float32, ba, bb)
+            else:
+                out[g] = scaled_mm(a[:, start:end], b[start:end], sa, sb, None, torch.float32, ba, bb)
+        start = max(start, end)
+    return out.to(out_dtype)

@@ -75,6 +75,7 @@ class Fusion:
     """How an FP8 GEMM runs on a GPU: the kernel, its fused epilogue and why fusion stopped."""
 
     kernel: str | None = None  # "triton" (the generated kernel) | "scaled_mm" (torch._scaled_mm, the epilogue as torch ops)
+    # | "scaled_grouped_mm" (torch._scaled_grouped_mm) | "emulated" (the reference in torch ops) for grouped GEMMs
     kernel_reason: str | None = None
     stop: str | None = None  # why fusion stopped where it did
     epilogue: Epilogue | None = None  # the fused epilogue (None: not fused)
@@ -102,6 +103,7 @@ class GemmAnnotation:
     decision: Decision
     state_keys: tuple[str | None, str | None] | None = None  # delayed scaling: the operands' states
     fusion: Fusion | None = None
+    groups: Dim = None  # a grouped GEMM's number of groups (None: not grouped)
 
     @property
     def fp8(self) -> bool:
@@ -146,6 +148,6 @@ def update_fusion(node: fx.Node, **changes: Any) -> None:
 
 
 def fp8_gemm_nodes(graph: fx.Graph) -> list[fx.Node]:
-    """The graph's FP8 GEMM nodes (`fp8fx::scaled_mm`, `fp8fx::fp8_gemm`)."""
-    ops = (torch.ops.fp8fx.scaled_mm.default, torch.ops.fp8fx.fp8_gemm.default)
+    """The graph's FP8 GEMM nodes (`fp8fx::scaled_mm`, `fp8fx::fp8_gemm`, `fp8fx::fp8_grouped_mm`)."""
+    ops = (torch.ops.fp8fx.scaled_mm.default, torch.ops.fp8fx.fp8_gemm.default, torch.ops.fp8fx.fp8_grouped_mm.default)
     return [n for n in graph.nodes if n.op == "call_function" and n.target in ops]

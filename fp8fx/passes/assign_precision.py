@@ -5,12 +5,14 @@ Writes each GEMM's `GemmAnnotation` only; the graph is unchanged (annotate, then
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import fx
 
-from fp8fx.core.patterns import BY_KIND, BY_TARGET
-from fp8fx.core.policy import Policy
+from fp8fx.core import grouped as grouped_scales
+from fp8fx.core.patterns import BY_KIND
+from fp8fx.core.policy import Policy, Settings
 from fp8fx.core.recipes import ALIGN, GEMM_ROLES, GRANULARITIES, Granularity, Hadamard, Precision, ScaleRounding, Scaling
 from fp8fx.passes.annotation import Decision, DelayedSpec, GemmAnnotation, ReasonKind, annotate
 from fp8fx.passes.find_matmuls import (
@@ -20,11 +22,14 @@ from fp8fx.passes.find_matmuls import (
     custom_op_name,
     describe_call,
     fused_backward,
+    group_offsets,
     grouped,
     is_opaque,
     matmul_operands,
+    parameter_stack_pick,
+    pattern_of,
 )
-from fp8fx.passes.graph_utils import PassContext, PassResult, strip_layout
+from fp8fx.passes.graph_utils import PassContext, PassResult, op_args, strip_layout
 from fp8fx.passes.lower_patch_convs import is_patch_conv
 
 FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -73,7 +78,7 @@ def _shape_problem(n, k, granularity: Granularity) -> str | None:
     return None
 
 
-def _operand_problem(node: fx.Node) -> tuple[ReasonKind, str] | None:
+def _operand_problem(node: fx.Node, settings: Settings) -> tuple[ReasonKind, str] | None:
     if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
         return ReasonKind.PATTERN, f"{node.target.__name__} with alpha/beta other than 1 is not rewritten"
     left, right, _ = matmul_operands(node)
@@ -81,7 +86,45 @@ def _operand_problem(node: fx.Node) -> tuple[ReasonKind, str] | None:
         dtype = x.meta["val"].dtype
         if dtype not in FP8_INPUT_DTYPES:
             return ReasonKind.DTYPE, f"operand dtype {dtype} is not one fp8fx casts to FP8 (fp32, bf16, fp16)"
+    offs = group_offsets(node)
+    return _grouped_problem(node, offs, settings) if offs is not None else None
+
+
+def _grouped_problem(node: fx.Node, offs: fx.Node, settings: Settings) -> tuple[ReasonKind, str] | None:
+    """What keeps a grouped GEMM (op kind grouped_mm) high that no other GEMM has."""
+    left, right, _ = matmul_operands(node)
+    if not fused_backward(node):
+        a, b = left.meta["val"], right.meta["val"]
+        if grouped_scales.form_of(a.dim(), b.dim()) is None:
+            return ReasonKind.PATTERN, (
+                f"{describe_call(node)}: a grouped GEMM of a {a.dim()}-D x {b.dim()}-D form; fp8fx lowers 2-D x 3-D and 2-D x 2-D"
+            )
+        if op_args(node).get("bias") is not None:
+            return ReasonKind.PATTERN, f"{describe_call(node)}: a grouped GEMM with a bias is not rewritten"
+    if offs.meta["val"].dtype != torch.int32:
+        return ReasonKind.DTYPE, f"group offsets of dtype {offs.meta['val'].dtype}; FP8 grouped GEMMs take int32 offsets"
+    if settings.scaling is Scaling.DELAYED:
+        return ReasonKind.PATTERN, (
+            "delayed scaling keeps one scale per tensor and grouped GEMMs take one per group: "
+            "a rule with op: [grouped_mm] and scaling: dynamic runs them in FP8"
+        )
     return None
+
+
+def _grouped_note(gemm: Gemm, decision: Decision) -> str:
+    """What an FP8 grouped GEMM's reason adds: its groups, where its scales go, padding."""
+    node = gemm.node
+    if fused_backward(node):
+        form = "2d-3d" if gemm.role == "grad_input" else "2d-2d"
+    else:
+        left, right, _ = matmul_operands(node)
+        form = grouped_scales.form_of(left.meta["val"].dim(), right.meta["val"].dim())
+    specs = [grouped_scales.operand_scales(form, side, block) for side, block in enumerate(decision.blocks)]
+    per_group = [s for s in specs if s.per_group]
+    scales = "scales per group" if per_group and not any(s.lines for s in per_group) else "scales within each group"
+    align = max(s.align for s in specs)
+    pad = f"; each group's K padded to a multiple of {align} (blocks along K)" if align > 1 else ""
+    return f"; grouped {form} GEMM of {gemm.groups} groups, {scales}{pad}; FLOPs count every row as routed (its offsets are data-dependent)"
 
 
 def _opaque_reason(site: MatmulSite, gemm: Gemm) -> str:
@@ -135,22 +178,44 @@ def decide(site: MatmulSite, gemm: Gemm, ctx: PassContext) -> Decision:
         return high(ReasonKind.CONV, _conv_reason(gemm.node))
     if site.opaque or is_opaque(gemm.node):
         return high(ReasonKind.OPAQUE, _opaque_reason(site, gemm))
-    pattern = BY_TARGET.get(gemm.node.target)
+    pattern = pattern_of(gemm.node)
     if pattern is not None and pattern.rewrite is None:
         return high(ReasonKind.PATTERN, pattern.high_reason)
     if site.forward is None:
         return high(ReasonKind.UNLINKED, "backward GEMM with no forward matmul to link it to; kept high")
     if (site.name, gemm.role) in ctx.overrides:
         return high(ReasonKind.SHADOW, ctx.overrides[(site.name, gemm.role)])
+    vector = _expert_vector_problem(site, gemm)
+    if vector:
+        return high(ReasonKind.SHAPE, vector)
     dims = (site.forward.n, site.forward.k)
-    return policy_decision(ctx.policy, site.names, site.op, gemm.role, roles, dims, lambda: _operand_problem(gemm.node))
+    decision = policy_decision(ctx.policy, site.names, site.op, gemm.role, roles, dims, lambda s: _operand_problem(gemm.node, s))
+    if decision.fp8 and gemm.groups is not None:
+        decision = replace(decision, reason=decision.reason + _grouped_note(gemm, decision))
+    return decision
+
+
+def _expert_vector_problem(site: MatmulSite, gemm: Gemm) -> str | None:
+    """Why a batched matmul of one routed token by its expert's matrix (transformers'
+    `experts_implementation="batched_mm"`: `bmm(W[expert_ids], x[:, :, None])`) stays high."""
+    fwd = site.forward
+    if site.op != "bmm" or fwd is None or not any(d == 1 for d in (fwd.m, fwd.n)):
+        return None
+    if not any(parameter_stack_pick(x) for x in matmul_operands(fwd.node)[:2]):
+        return None
+    return (
+        f"one routed token per product: a batch of {fwd.batch} matrix-vector products of {fwd.m} x {fwd.k} by {fwd.k} x {fwd.n} "
+        "with each token's expert matrix (transformers' batched_mm experts), which no FP8 GEMM takes (N and K must be multiples "
+        "of 16); experts_implementation='grouped_mm' runs the experts as FP8 grouped GEMMs"
+    )
 
 
 def policy_decision(policy: Policy, names: tuple[str, ...], kind: str, role: str, roles: tuple[str, str], dims: tuple,
-                    operand_problem: Callable[[], tuple[ReasonKind, str] | None] = lambda: None) -> Decision:  # fmt: skip
+                    operand_problem: Callable[[Settings], tuple[ReasonKind, str] | None] = lambda settings: None) -> Decision:  # fmt: skip
     """The policy's decision for one GEMM of a pattern fp8fx rewrites: site `names`, pattern `kind`,
-    GEMM `role`, operand `roles` and the forward GEMM's (N, K). The one place a policy is turned
-    into a decision: the passes and the FP8 all-gather (fp8fx.distributed) both call it."""
+    GEMM `role`, operand `roles` and the forward GEMM's (N, K); `operand_problem(settings)` says
+    what keeps this GEMM's operands high under the resolved settings. The one place a policy is
+    turned into a decision: the passes and the FP8 all-gather (fp8fx.distributed) both call it."""
 
     def high(reason_kind: ReasonKind, reason: str) -> Decision:
         return Decision(Precision.HIGH, reason_kind, reason, roles, source=where)
@@ -167,7 +232,7 @@ def policy_decision(policy: Policy, names: tuple[str, ...], kind: str, role: str
     problem = _shape_problem(*dims, res.settings.granularity)
     if problem:
         return high(ReasonKind.SHAPE, problem)
-    problem = operand_problem()
+    problem = operand_problem(res.settings)
     if problem:
         return high(*problem)
     settings = res.settings
@@ -207,5 +272,5 @@ def assign_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for index, (site, gemm) in enumerate(gemms):
         decision = decide(site, gemm, ctx)
         annotate(gemm.node, GemmAnnotation(index, site.name, site.fqn, site.op, gemm.role, site.source,
-                                           gemm.m, gemm.n, gemm.k, gemm.batch, gemm.flops, decision))  # fmt: skip
+                                           gemm.m, gemm.n, gemm.k, gemm.batch, gemm.flops, decision, groups=gemm.groups))  # fmt: skip
     return PassResult(gm, modified=False)

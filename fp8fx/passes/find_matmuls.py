@@ -1,7 +1,10 @@
 """find_matmuls: annotate every matrix product of an ATen graph as a `MatmulSite`.
 
 Fused attention kernels (SDPA) hold matrix products too; they become sites of op kind `sdpa`,
-so the report accounts for their FLOPs even though they stay in high precision. So do the matrix
+so the report accounts for their FLOPs even though they stay in high precision. Grouped GEMMs
+(mixture-of-experts layers: `aten._grouped_mm`, and transformers' grouped-mm custom op and its
+backward, which computes both gradients in one call) are sites of op kind `grouped_mm` with the
+number of groups their offsets give. So do the matrix
 products fp8fx cannot rewrite (`fp8fx.core.patterns.OPAQUE`, custom ops that look like one: see `is_opaque`):
 their sites are `opaque` and stay high, with the FLOPs their shapes tell where they tell any.
 
@@ -34,15 +37,18 @@ import torch
 from torch import fx
 from torch._ops import OpOverload
 
-from fp8fx.core.patterns import BY_TARGET, GROUPED, OPAQUE
-from fp8fx.passes.graph_utils import PassContext, PassResult, strip_layout
+from fp8fx.core.patterns import BY_TARGET, GROUPED, OPAQUE, GemmPattern
+from fp8fx.passes.graph_utils import PassContext, PassResult, op_args, strip_layout
 
 aten = torch.ops.aten
 
-# Custom ops whose products are known: the ATen op each one computes like, and ops computing
-# both gradients of such a forward op at once, from (input, weight, offsets, grad_output).
+# Custom ops whose products are known: the ATen op each one computes like (its arguments in the
+# same places), and ops computing both gradients of such a forward op at once, from (input,
+# weight, offsets, grad_output). transformers runs its MoE experts through them when
+# torch._grouped_mm cannot run (compiled with weights other than bf16, transformers.integrations.moe).
 _CUSTOM_LIKE = {"transformers::grouped_mm_fallback": aten._grouped_mm.default}
 _CUSTOM_BACKWARD = {"transformers::grouped_mm_fallback_backward"}
+BACKWARD_OFFSETS = 2  # the offsets' position among a fused backward's arguments
 _NOT_CUSTOM = ("aten", "prims", "fp8fx")  # namespaces of ops fp8fx knows (or made)
 # Convolutions: the forward op and the one computing its gradients (grad_input, grad_weight and
 # grad_bias as its output_mask asks) with its arguments shifted by one (grad_output comes first).
@@ -150,6 +156,23 @@ def grouped(node: fx.Node) -> bool:
     return _CUSTOM_LIKE.get(custom_op_name(node), node.target) in GROUPED or fused_backward(node)
 
 
+def pattern_of(node: fx.Node) -> GemmPattern | None:
+    """The GEMM pattern a node computes (a custom op of `_CUSTOM_LIKE` as its ATen op)."""
+    if node.op != "call_function":
+        return None
+    return BY_TARGET.get(_CUSTOM_LIKE.get(custom_op_name(node), node.target))
+
+
+def group_offsets(node: fx.Node) -> fx.Node | None:
+    """The group offsets of a grouped GEMM node (a fused backward's too); None for other nodes."""
+    if fused_backward(node):
+        return node.args[BACKWARD_OFFSETS]
+    pattern = pattern_of(node)
+    if pattern is None or pattern.offsets is None:
+        return None
+    return op_args(node).get("offs")
+
+
 def describe_call(node: fx.Node) -> str:
     """`aten._grouped_mm(bfloat16[16, 32], ...) -> bfloat16[16, 64]`, or `custom op ns::name(...) -> ...`."""
 
@@ -173,7 +196,7 @@ def is_opaque(node: fx.Node) -> bool:
         return False
     if node.target in OPAQUE:
         return True
-    if custom_op_name(node) is None:
+    if custom_op_name(node) is None or pattern_of(node) is not None or fused_backward(node):
         return False
     matrices = [_tensor(a) for a in _matrix_args(node)]
     out = next((o for o in _outputs(node) if o.dtype.is_floating_point and o.dim() >= 2), None)
@@ -191,12 +214,14 @@ def _broadcast_shape(a: torch.Size, b: torch.Size) -> tuple | None:
 
 def is_matrix_product(node: fx.Node) -> bool:
     """A node that becomes a site: a GEMM pattern, fused attention, an opaque product or a convolution."""
-    return node.op == "call_function" and (node.target in BY_TARGET or is_attention(node) or is_opaque(node) or is_conv(node))
+    return node.op == "call_function" and (
+        pattern_of(node) is not None or fused_backward(node) or is_attention(node) or is_opaque(node) or is_conv(node)
+    )
 
 
 def matmul_operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
     """(left, right, added term) of a matmul node; for an opaque op, its first two operands."""
-    pattern = BY_TARGET.get(node.target)
+    pattern = pattern_of(node)
     if pattern is not None:
         return node.args[pattern.left], node.args[pattern.right], node.args[pattern.added] if pattern.added is not None else None
     if node.target in OPAQUE:
@@ -220,6 +245,7 @@ class Gemm:
     k: int | torch.SymInt | None
     batch: int | torch.SymInt | None = 1
     count: int = 1  # GEMMs of these dimensions the op performs (fused attention: 2 forward, 4 backward)
+    groups: int | torch.SymInt | None = None  # a grouped GEMM's number of groups
 
     @property
     def backward(self) -> bool:
@@ -314,7 +340,11 @@ def _custom_backward_gemms(node: fx.Node) -> dict[str, Gemm]:
     (K x S @ S x N, split into groups along S)."""
     inp, grad_out = _tensor(node.args[0]), _tensor(node.args[3])
     s, k, n = inp.shape[0], inp.shape[1], grad_out.shape[-1]
-    return {"grad_input": Gemm(node, "grad_input", s, k, n), "grad_weight": Gemm(node, "grad_weight", k, n, s)}
+    groups = _tensor(node.args[BACKWARD_OFFSETS]).shape[0]
+    return {
+        "grad_input": Gemm(node, "grad_input", s, k, n, groups=groups),
+        "grad_weight": Gemm(node, "grad_weight", k, n, s, groups=groups),
+    }
 
 
 def _gemm(node: fx.Node, role: str) -> Gemm:
@@ -328,7 +358,8 @@ def _gemm(node: fx.Node, role: str) -> Gemm:
         count = 4 if _is_attention_backward(node) else 2
         return Gemm(node, role, q.shape[-2], k.shape[-2], q.shape[-1], q.shape[:-2].numel(), count)
     m, n, k, batch = _dims(node)
-    return Gemm(node, role, m, n, k, batch)
+    offs = group_offsets(node)
+    return Gemm(node, role, m, n, k, batch, groups=_tensor(offs).shape[0] if offs is not None else None)
 
 
 def find_matmuls(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -415,8 +446,10 @@ def _op_kind(node: fx.Node, lowered: dict[fx.Node, str]) -> str:
         return "conv"
     if node in lowered:  # a patch convolution as a GEMM (see lower_patch_convs)
         return lowered[node]
-    if node.target in BY_TARGET:
-        return BY_TARGET[node.target].kind
+    if pattern_of(node) is not None:
+        return pattern_of(node).kind
+    if fused_backward(node):
+        return BY_TARGET[GROUPED[0]].kind
     return custom_op_name(node) or node.target.overloadpacket.__name__
 
 
@@ -453,6 +486,13 @@ def _picks_matrices(node: fx.Node) -> bool:
     if node.target is aten.index.Tensor:
         return len(node.args[1]) == 1 and node.args[1][0] is not None
     return node.target is aten.index_select.default and node.args[1] in (0, -source.dim())
+
+
+def parameter_stack_pick(x: fx.Node) -> bool:
+    """Whether `x` is whole matrices picked by index from a stack of them (an MoE layer's expert
+    weights, `W[expert_ids]`), up to layout ops."""
+    root = strip_layout(x)[0]
+    return isinstance(root, fx.Node) and root.op == "call_function" and root.target in _MATRIX_PICKS and _picks_matrices(root)
 
 
 def parameter_derived(graph: fx.Graph, param_inputs: frozenset[int] | None = None) -> set[fx.Node]:

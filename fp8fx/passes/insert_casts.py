@@ -5,6 +5,12 @@ the scale's inverse), and the GEMM becomes `fp8fx::scaled_mm`. Casts are made on
 root tensor (before transposes, views and dtype casts) and cached per (root, format), so the
 weight's E4M3 copy serves both output and grad_input, and the input's E4M3 copy serves output and
 grad_weight: after partitioning, backward consumes the FP8 tensors forward made.
+
+A grouped GEMM (op kind grouped_mm) becomes `fp8fx::fp8_grouped_mm`, its operands scaled within
+each group (`fp8fx.core.grouped`): one scale per group, or per row / column within each group,
+through `fp8fx::grouped_amax -> amax_to_scale -> grouped_cast`; plain blocks through the chain
+above; blocks along a grouped K after `fp8fx::pad_groups` has padded every group to a multiple of
+the block. transformers' fused backward becomes one FP8 grouped GEMM per FP8 gradient.
 """
 
 from __future__ import annotations
@@ -15,17 +21,22 @@ from dataclasses import dataclass, replace
 import torch
 from torch import fx
 
+from fp8fx.codegen.dispatch import grouped_launcher
+from fp8fx.core import grouped
 from fp8fx.core.formats import Fp8Format
+from fp8fx.core.grouped import OperandScales
 from fp8fx.core.recipes import AmaxComputeAlgo
-from fp8fx.passes.annotation import DelayedSpec, annotate, annotation, node_annotations, state_key
-from fp8fx.passes.find_matmuls import matmul_operands
-from fp8fx.passes.graph_utils import PassContext, PassResult, add_node, fake_mode_of, node_values, strip_layout
+from fp8fx.passes.annotation import META_KEY, DelayedSpec, Fusion, annotate, annotation, node_annotations, state_key
+from fp8fx.passes.find_matmuls import fused_backward, group_offsets, matmul_operands
+from fp8fx.passes.graph_utils import PassContext, PassResult, add_node, fake_mode_of, node_values, op_args, strip_layout
 from fp8fx.runtime.monitor import Monitor
 from fp8fx.runtime.shadow import ShadowChecks
 
 fp8fx_ops = torch.ops.fp8fx
 aten = torch.ops.aten
 
+# Transposes of a 2-D tensor (a grouped GEMM's operand is cast on its root through them).
+_TRANSPOSES_2D = {aten.t.default, aten.transpose.int}
 # Meta that identifies the replaced GEMM; carried over to the scaled_mm node.
 _CARRIED_META = ("seq_nr", "autograd_backward", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack", "stack_trace")
 
@@ -145,6 +156,91 @@ class _Inserter:
         q = self.quantize(self.views[key if spec.hadamard_dim is None else (key, spec.hadamard_dim)], spec, gemm, state_key)
         return q.fp8, q
 
+    def grouped_operand(
+        self, x: fx.Node, scales: OperandScales, spec: CastSpec, offs: fx.Node, gemm: fx.Node
+    ) -> tuple[fx.Node, Quantized]:
+        """One operand of a grouped GEMM scaled per group. A 2-D operand reached through transposes is
+        cast on its root with the grouped dimension moved along, so dgrad and wgrad share one copy."""
+        root, chain = strip_layout(x)
+        dim = scales.group_dim
+        if all(v.target in _TRANSPOSES_2D for v in chain) and root.meta["val"].dim() == 2:
+            dim = (dim + len(chain)) % 2
+        else:
+            root, chain = self.replay(root, chain, gemm), []
+        key = ("grouped", root, dim, scales.lines, spec, offs)
+        if key not in self.cache:
+            with self.graph.inserting_before(gemm):  # after the offsets, which a router computes late
+                amax = self.add(fp8fx_ops.grouped_amax.default, (root, offs, dim, scales.lines), tag_from=gemm)
+                scale = self.add(
+                    fp8fx_ops.amax_to_scale.default, (amax, spec.fmt.max, spec.margin, spec.power_of_two), tag_from=gemm
+                )
+                fp8 = self.add(fp8fx_ops.grouped_cast.default, (root, scale, offs, dim, spec.fmt.dtype), tag_from=gemm)
+                self.cache[key] = Quantized(fp8, self.add(aten.reciprocal.default, (scale,), tag_from=gemm))
+        q = self.cache[key]
+        return self.replay(q.fp8, chain, gemm), q
+
+    def grouped_gemm(self, gemm: fx.Node, ann, left: fx.Node, right: fx.Node, offs: fx.Node, out_dtype: torch.dtype) -> fx.Node:
+        """The `fp8fx::fp8_grouped_mm` node of one FP8 grouped GEMM, with its operands' casts."""
+        d = ann.decision
+        form = grouped.form_of(left.meta["val"].dim(), right.meta["val"].dim())
+        scales = [grouped.operand_scales(form, side, block) for side, block in enumerate(d.blocks)]
+        align = max(s.align for s in scales)
+        if align > 1:  # blocks along a grouped K: pad every group to a multiple of the block
+            with self.graph.inserting_before(gemm):
+                left, right = (
+                    self.add(fp8fx_ops.pad_groups.default, (x, offs, s.group_dim, align), tag_from=gemm)
+                    for x, s in zip((left, right), scales)
+                )
+                offs = self.add(fp8fx_ops.pad_offsets.default, (offs, align), tag_from=gemm)
+        quantized = []
+        for side, x in enumerate((left, right)):
+            spec = CastSpec(d.formats[side], scales[side].block or (), d.power_of_two, d.margin, None)
+            if scales[side].per_group:
+                quantized.append(self.grouped_operand(x, scales[side], spec, offs, gemm))
+            else:
+                quantized.append(self.operand(x, spec, gemm, state_key(ann.site, ann.role, d.operand_roles[side])))
+        (a, qa), (b, qb) = quantized
+        args = (a, b, qa.scale_inv, qb.scale_inv, offs, out_dtype, list(d.blocks[0]), list(d.blocks[1]), d.fast_accum)
+        with self.graph.inserting_before(gemm):
+            new = self.add(fp8fx_ops.fp8_grouped_mm.default, args, tag_from=gemm)
+        for key in _CARRIED_META:
+            if key in gemm.meta:
+                new.meta[key] = gemm.meta[key]
+        kernel, why = grouped.gpu_kernel(tuple(f.value for f in d.formats), tuple(scales), grouped_launcher() is not None)
+        annotate(
+            new,
+            replace(
+                ann, state_keys=(None, None), fusion=Fusion(kernel=kernel, kernel_reason=why, stop="grouped GEMMs are not fused")
+            ),
+        )
+        return new
+
+    def rewrite_grouped(self, gemm: fx.Node) -> None:
+        """A grouped GEMM, or transformers' fused backward (one FP8 grouped GEMM per FP8 gradient)."""
+        offs = group_offsets(gemm)
+        if not fused_backward(gemm):
+            left, right, _ = matmul_operands(gemm)
+            new = self.grouped_gemm(gemm, annotation(gemm), left, right, offs, gemm.meta["val"].dtype)
+            gemm.replace_all_uses_with(new)
+            self.graph.erase_node(gemm)
+            return
+        args = op_args(gemm)  # (input, weight, offs, grad_output) -> (grad_input, grad_weight)
+        with self.graph.inserting_before(gemm):
+            weight_t = self.add(aten.transpose.int, (args["weight"], -2, -1), tag_from=gemm)
+            input_t = self.add(aten.t.default, (args["input"],), tag_from=gemm)
+        products = {"grad_input": (0, args["grad_output"], weight_t), "grad_weight": (1, input_t, args["grad_output"])}
+        outputs = {user.args[1]: user for user in gemm.users if user.target is operator.getitem}
+        for ann in node_annotations(gemm):
+            index, left, right = products[ann.role]
+            if ann.fp8 and index in outputs:
+                new = self.grouped_gemm(gemm, ann, left, right, offs, outputs[index].meta["val"].dtype)
+                outputs[index].replace_all_uses_with(new)
+                self.graph.erase_node(outputs[index])
+        kept = tuple(a for a in node_annotations(gemm) if not a.fp8)
+        gemm.meta[META_KEY] = kept  # a gradient kept high is still this node's (it computes both)
+        if not gemm.users:
+            self.graph.erase_node(gemm)
+
     def rewrite(self, gemm: fx.Node) -> fx.Node:
         ann = annotation(gemm)
         d = ann.decision
@@ -191,7 +287,10 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, modified=False)
     inserter = _Inserter(gm.graph, ctx)
     for gemm in fp8_gemms:  # graph order: forward GEMMs make the casts backward reuses
-        inserter.rewrite(gemm)
+        if group_offsets(gemm) is not None:
+            inserter.rewrite_grouped(gemm)
+        else:
+            inserter.rewrite(gemm)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return PassResult(gm, modified=True)

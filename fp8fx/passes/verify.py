@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from fp8fx.core import grouped
 from fp8fx.core.formats import fp8_format_of
 from fp8fx.core.scaling import scale_shape
 from fp8fx.passes.annotation import annotation, annotations, fp8_gemm_nodes
@@ -39,12 +40,20 @@ def verify(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             raise VerifyError(f"node without meta['val']: {node.format_node()}")
     for node in scaled:
         args = op_args(node)
-        for x, s, block in ((args["a"], args["scale_inv_a"], args["block_a"]), (args["b"], args["scale_inv_b"], args["block_b"])):
+        offs = args.get("offs")  # a grouped GEMM: scales per group (fp8fx.core.grouped)
+        form = grouped.form_of(args["a"].meta["val"].dim(), args["b"].meta["val"].dim()) if offs is not None else None
+        for side, (x, s, block) in enumerate(
+            ((args["a"], args["scale_inv_a"], args["block_a"]), (args["b"], args["scale_inv_b"], args["block_b"]))
+        ):
             try:
                 fp8_format_of(x.meta["val"].dtype)
             except ValueError as e:
                 raise VerifyError(f"{node.format_node()}: {e}") from None
-            expected = scale_shape(x.meta["val"].shape, tuple(block))
+            shape = x.meta["val"].shape
+            if offs is None:
+                expected = scale_shape(shape, tuple(block))
+            else:
+                expected = grouped.scale_shape(tuple(shape), offs.meta["val"].shape[0], grouped.operand_scales(form, side, block))
             if s.meta["val"].dtype != torch.float32 or tuple(s.meta["val"].shape) != tuple(expected):
                 raise VerifyError(f"{node.format_node()}: scale_inv {s.name} is not fp32 of shape {tuple(expected)}")
     return PassResult(gm, modified=False)

@@ -42,6 +42,10 @@ The model, per GEMM (an `OpRecord`):
   (depthwise) is one kernel bound by its FLOPs at `gemm_efficiency` or by streaming its implicit
   GEMM's operands and output, whichever is longer (an overlapping window's input is counted once per
   kernel tap: an upper bound). A GEMM with a dynamic (symbolic) dimension has no prediction.
+- A grouped GEMM (op `grouped_mm`, a mixture-of-experts layer's G experts) is G GEMMs in one
+  kernel, its routed rows taken as spread evenly over the groups (the router decides them): the
+  forward and grad_input (2-D x 3-D) are G GEMMs of M/G rows, reading every expert's weight, the
+  grad_weight (2-D x 2-D) G GEMMs over K/G each; FP8 and its passes as for any GEMM.
 
 A step (`predict_step`) is the sum of its GEMMs plus the non-GEMM time: the bytes the other ops
 move (`Report.non_gemm_bytes`) at `memory_efficiency` of HBM bandwidth, the same in BF16 and FP8.
@@ -297,6 +301,9 @@ def predict(op: OpRecord, gpu: GpuSpec) -> Prediction | None:
         return None
     m, n, k, batch = dims
     cost = BY_KIND[op.op].cost if op.op in BY_KIND else "gemm"
+    if cost == "grouped_gemm" and isinstance(op.groups, int) and op.groups > 1:  # G GEMMs: rows (K for grad_weight) split evenly
+        batch = op.groups
+        m, k = (m, math.ceil(k / batch)) if op.role == "grad_weight" else (math.ceil(m / batch), k)
     if cost == "fused_attention":  # one fused kernel: its counted FLOPs at the GEMM efficiency, scores never stored
         bf16 = gpu.launch_us + op.flops / (gpu.bf16_tflops * 1e6 * gpu.gemm_efficiency)
         return Prediction(bf16, bf16, 0.0)

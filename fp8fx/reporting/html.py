@@ -375,7 +375,7 @@ def _row(op: dict) -> str:
     sqnr = (op.get("numerics") or {}).get("sqnr_db")
     cells = [
         (op.get("site"), ""),
-        (op.get("op"), ""),
+        (op.get("op") if op.get("groups") is None else f"{op['op']} ({op['groups']} groups)", ""),
         (op.get("role"), ""),
         (op.get("m"), "num"),
         (op.get("n"), "num"),

@@ -34,7 +34,7 @@ class OpRecord:
     graph_kind: str  # training | inference
     site: str  # site name: module FQN, or "fqn:op#i" when a module holds several matmuls
     fqn: str
-    op: str  # mm | addmm | bmm | baddbmm | addbmm | sdpa | conv, or an opaque op (_grouped_mm, ns::name, ...)
+    op: str  # mm | addmm | bmm | baddbmm | addbmm | grouped_mm | sdpa | conv, or an opaque op (_scaled_grouped_mm, ns::name, ...)
     role: str  # output | grad_input | grad_weight
     source: str  # file:line of the model code
     m: int | str
@@ -83,6 +83,7 @@ class OpRecord:
     # and Dynamo's guard failure; see fp8fx.compiler.backend.DynamoGraph). Superseded rows are kept as
     # history and counted nowhere.
     compile_id: str | None = None
+    groups: int | str | None = None  # a grouped GEMM's number of groups (op grouped_mm)
     graph_state: str = "in_use"
     superseded_by: str | None = None
     recompile_reason: str | None = None
@@ -140,6 +141,7 @@ class OpRecord:
             fusion=fusion.stop if fusion else None,
             memory_passes_added=fusion.memory_passes[0] if fusion and fusion.memory_passes else None,
             memory_passes_saved=fusion.memory_passes[1] if fusion and fusion.memory_passes else None,
+            groups=_dim(ann.groups) if ann.groups is not None else None,
         )
 
     def with_state(self, state) -> OpRecord:
@@ -171,9 +173,23 @@ def _gpu_text(op: OpRecord) -> str:
     """What runs an FP8 GEMM on a GPU, why, and how Hopper accumulates it (for the reason column)."""
     if op.gpu_kernel is None:
         return ""
-    kernel = "generated kernel" if op.gpu_kernel == "triton" else "torch._scaled_mm"
+    kernel = GPU_KERNELS.get(op.gpu_kernel, op.gpu_kernel)
     accumulation = "fast accumulation" if op.fast_accum else "split accumulation"
     return f"; GPU: {kernel} ({op.gpu_kernel_reason}), {accumulation}"
+
+
+# What each `gpu_kernel` value names.
+GPU_KERNELS = {
+    "triton": "generated kernel",
+    "scaled_mm": "torch._scaled_mm",
+    "scaled_grouped_mm": "torch._scaled_grouped_mm",
+    "emulated": "emulation in torch ops",
+}
+
+
+def op_text(op: OpRecord) -> str:
+    """The op column: the op kind, and a grouped GEMM's number of groups."""
+    return op.op if op.groups is None else f"{op.op} ({op.groups} groups)"
 
 
 def _scaling_text(op: OpRecord) -> str:
@@ -310,7 +326,7 @@ class Report:
             row = [
                 str(op.graph),
                 op.site,
-                op.op,
+                op_text(op),
                 op.role,
                 str(op.m),
                 str(op.n),
@@ -346,8 +362,15 @@ class Report:
         for index, op in sorted(self.superseded_graphs().items()):
             lines.append(f"superseded: graph {index} (Dynamo {op.compile_id}, recompiled as {op.superseded_by}: {op.recompile_reason or 'reason not recorded'})")
         if s["gpu_kernels"]:
-            names = {"triton": "by the generated Triton kernel", "scaled_mm": "by torch._scaled_mm"}
-            lines.append("FP8 GEMMs on a GPU: " + ", ".join(f"{v} {names.get(k, k)}" for k, v in sorted(s["gpu_kernels"].items())))
+            names = {
+                "triton": "by the generated Triton kernel",
+                "scaled_mm": "by torch._scaled_mm",
+                "scaled_grouped_mm": "by torch._scaled_grouped_mm",
+                "emulated": "emulated in torch ops",
+            }
+            lines.append(
+                "FP8 GEMMs on a GPU: " + ", ".join(f"{v} {names.get(k, k)}" for k, v in sorted(s["gpu_kernels"].items()))
+            )
         if s["fallbacks_by_reason"]:
             lines.append("kept high: " + ", ".join(f"{k} {v}" for k, v in sorted(s["fallbacks_by_reason"].items())))
         if s["gemms_without_flops"]:

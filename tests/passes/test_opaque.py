@@ -1,6 +1,7 @@
 """Matrix products fp8fx cannot rewrite still get a report row: addbmm as a site with its three
-GEMMs, and opaque ops (aten._grouped_mm, transformers' grouped-GEMM custom op, any custom
-matmul-shaped op) kept high with reason kind `opaque`, counted in the FP8 FLOP share."""
+GEMMs, and opaque ops (aten._scaled_grouped_mm, any custom matmul-shaped op) kept high with reason
+kind `opaque`, counted in the FP8 FLOP share; grouped GEMMs (aten._grouped_mm, transformers'
+grouped-mm custom op) are rows of op grouped_mm whether a policy runs them in FP8 or not."""
 
 from __future__ import annotations
 
@@ -171,18 +172,20 @@ def _tiny_mixtral(layers: int = 1, **config):
     return MixtralForCausalLM(cfg)
 
 
-def test_mixtral_expert_gemms_are_opaque_rows_in_the_flop_share():
-    # fp32 weights: the experts run transformers' custom op (torch._grouped_mm takes bf16 only under compile).
+def test_mixtral_expert_gemms_left_high_are_rows_in_the_flop_share():
+    # fp32 weights: the experts run transformers' custom op (torch._grouped_mm takes bf16 only under
+    # compile), matched as the grouped GEMM it is; a policy without grouped_mm keeps it high.
     model = _tiny_mixtral()
-    backend = fp8fx.backend(inner="eager")
+    backend = fp8fx.backend(policy=Policy(defaults=fp8fx.Settings(ops=("mm", "addmm"))), inner="eager")
     torch.compile(model, backend=backend)(torch.randint(0, 64, (1, 8))).logits.float().sum().backward()
     report = fp8fx.report(backend)
     experts = [op for op in report.ops if op.fqn == "model.layers.0.mlp.experts"]
     assert sorted((op.site.rsplit("#")[-1], op.role) for op in experts) == sorted(
         (i, role) for i in "01" for role in ("output", "grad_input", "grad_weight")
     )
-    assert all(op.op == "transformers::grouped_mm_fallback" and op.precision == "high" and op.reason_kind == "opaque" for op in experts)
-    assert "custom op transformers::grouped_mm_fallback_backward(" in next(op.reason for op in experts if op.role == "grad_weight")
+    assert all(
+        op.op == "grouped_mm" and op.groups == 4 and op.precision == "high" and op.reason_kind == "op_kind" for op in experts
+    )
     # 8 tokens x top-2 = 16 routed rows: gate_up is 16 x 32 @ 32 x 128, down 16 x 64 @ 64 x 32, each once per role.
     assert sorted(op.flops for op in experts) == sorted([2 * 16 * 32 * 128] * 3 + [2 * 16 * 64 * 32] * 3)
     forward = [op for op in report.ops if not op.backward]
@@ -190,20 +193,28 @@ def test_mixtral_expert_gemms_are_opaque_rows_in_the_flop_share():
     assert 0 < share < 1 and report.summary()["fp8_flop_share_forward"] == pytest.approx(share)
     total_share = sum(op.flops for op in report.fp8_ops) / sum(op.flops for op in report.ops)
     fp8fx.assert_coverage(report, total_share - 0.01)
-    with pytest.raises(fp8fx.CoverageError, match=r"model\.layers\.0\.mlp\.experts:transformers::grouped_mm_fallback#0\.\w+ \(opaque: custom op"):
+    with pytest.raises(
+        fp8fx.CoverageError, match=r"model\.layers\.0\.mlp\.experts:grouped_mm#0\.\w+ \(op_kind: op grouped_mm is not in"
+    ):
         fp8fx.assert_coverage(report, total_share + 0.01)
 
 
 def test_grouped_mm_rows_and_eager_experts_train():
-    # bf16 weights: the experts call aten._grouped_mm; forward, dgrad (2-D x 3-D) and wgrad (2-D x 2-D).
+    # bf16 weights: the experts call aten._grouped_mm; forward, dgrad (2-D x 3-D) and wgrad (2-D x 2-D), in FP8 by default.
     block = _tiny_mixtral().to(torch.bfloat16).model.layers[0].mlp
     backend = fp8fx.backend(inner="eager")
-    torch.compile(block, backend=backend)(torch.randn(1, 8, 32, dtype=torch.bfloat16, requires_grad=True)).float().sum().backward()
-    rows = [op for op in fp8fx.report(backend).ops if op.op == "_grouped_mm"]
+    torch.compile(block, backend=backend)(
+        torch.randn(1, 8, 32, dtype=torch.bfloat16, requires_grad=True)
+    ).float().sum().backward()
+    rows = [op for op in fp8fx.report(backend).ops if op.op == "grouped_mm"]
     assert sorted((op.site, op.role, op.flops) for op in rows) == sorted(
-        [(f"experts:_grouped_mm#{i}", role, flops) for i, flops in ((0, 2 * 16 * 32 * 128), (1, 2 * 16 * 64 * 32)) for role in ("output", "grad_input", "grad_weight")]
+        [
+            (f"experts:grouped_mm#{i}", role, flops)
+            for i, flops in ((0, 2 * 16 * 32 * 128), (1, 2 * 16 * 64 * 32))
+            for role in ("output", "grad_input", "grad_weight")
+        ]
     )
-    assert all(op.reason_kind == "opaque" and op.reason.startswith("aten._grouped_mm(bfloat16[") for op in rows)
+    assert all(op.precision == "fp8" and op.groups == 4 and "grouped 2d-" in op.reason for op in rows)
 
     # The eager experts: one_hot's runtime assert (a node with no value) passes verify. Their
     # loop over the experts hit is data-dependent, so Dynamo runs it outside any graph.
