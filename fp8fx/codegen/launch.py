@@ -22,7 +22,9 @@ from fp8fx.codegen.triton_kernels import amax_kernel, fp8_gemm_kernel, quantize_
 from fp8fx.codegen.variants import (
     DEFAULT_FAMILY,
     GRID_LIMITS,
+    GROUPED_CONFIGS,
     GemmVariant,
+    GroupedVariant,
     QuantizeVariant,
     TileConfig,
     configs_for,
@@ -62,15 +64,19 @@ def _scale_strides(scale: Tensor, block: tuple) -> tuple[int, int]:
 
 
 def rows_aligned(t: Tensor) -> Tensor:
-    """`t` [rows, k] with unit stride along k, rows 16-byte aligned and not overlapping, as FP8
-    tensor cores and TMA read an operand; a copy into such storage when `t` is not (a transposed,
-    sliced, broadcast or odd-width operand: the weight gradient's K is the token count)."""
-    rows, k = t.shape
+    """`t` [rows, k] (or [G, rows, k]) with unit stride along k, rows 16-byte aligned and not
+    overlapping, as FP8 tensor cores and TMA read an operand; a copy into such storage when `t` is
+    not (a transposed, sliced, broadcast or odd-width operand: the weight gradient's K is the token
+    count)."""
+    *lead, rows, k = t.shape
     size = t.element_size()
-    if t.stride(1) == 1 and t.stride(0) >= k and (t.stride(0) * size) % ALIGN == 0 and t.data_ptr() % ALIGN == 0:
+    ok = t.stride(-1) == 1 and t.stride(-2) >= k and (t.stride(-2) * size) % ALIGN == 0 and t.data_ptr() % ALIGN == 0
+    if lead:  # a stack of matrices: each one aligned, none overlapping the next
+        ok = ok and t.stride(0) >= rows * t.stride(-2) and (t.stride(0) * size) % ALIGN == 0
+    if ok:
         return t
     width = -(-k * size // ALIGN) * ALIGN // size
-    out = torch.empty((rows, width), dtype=t.dtype, device=t.device)[:, :k]
+    out = torch.empty((*lead, rows, width), dtype=t.dtype, device=t.device)[..., :k]
     return out.copy_(t)
 
 
@@ -224,6 +230,93 @@ def _config_of(meta: dict) -> TileConfig:
 def _operand_strides(a: Tensor, bt: Tensor, family: str) -> tuple:
     # The pointer kernel reads b as [K, N] with strides (1, row stride of bt); the TMA kernel gets descriptors.
     return (a.stride(0), a.stride(1), bt.stride(1), bt.stride(0)) if family == "pointer" else ()
+
+
+@functools.cache
+def grouped_autotuner(target: str, variant: GroupedVariant):
+    """The grouped GEMM's autotuner on one target, keyed on the bucketed row and contraction
+    lengths (one of them is the token count), N and the group count."""
+    from fp8fx.codegen.grouped_kernel import fp8_grouped_gemm_kernel
+
+    configs = [triton.Config(c.constexprs(), num_warps=c.num_warps, num_stages=c.num_stages) for c in GROUPED_CONFIGS[target]]
+    return triton.autotune(configs=configs, key=["M_BUCKET", "N", "K_BUCKET", "G"])(fp8_grouped_gemm_kernel)
+
+
+def _grouped_scale_strides(
+    name: str, s: Tensor, groups: int, rows: int, rows_per_group: bool, per_group: bool
+) -> tuple[int, int]:
+    """(group stride, row stride) reading the contiguous scale inverses `s` of one operand: one per
+    group ([G]), or one per row (column) of each group ([G, rows] or its flat [G * rows]:
+    rows_per_group) or of all groups at once ([rows]). `per_group` decides a 1-D size both fit."""
+    if s.dtype != torch.float32:
+        raise ValueError(f"fp8fx grouped FP8 GEMM: {name} must be float32 scale inverses, got {s.dtype}")
+    shape = tuple(s.shape)
+    fits_rows = shape in ((groups, rows), (groups * rows,)) if rows_per_group else shape == (rows,)
+    if shape == (groups,) and (per_group or not fits_rows):
+        return 1, 0
+    if fits_rows:
+        return (rows, 1) if rows_per_group else (0, 1)
+    wanted = f"({groups}, {rows}) or ({groups * rows},)" if rows_per_group else f"({rows},)"
+    raise ValueError(f"fp8fx grouped FP8 GEMM: {name} must have shape ({groups},) (per group) or {wanted}, got {shape}")
+
+
+def grouped_fp8_gemm(
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    offs: Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    fast_accum: bool = False,
+) -> Tensor:
+    """`torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype=out_dtype)` with one
+    generated kernel; scales are scale inverses (x ~= x_fp8 * scale_inv), accumulation fp32.
+
+    2D-3D: a [M, K], b [G, K, N], offs [G] int32 (cumulative row ends of a's groups) -> out
+    [M, N]; scale_a [M] (rowwise) with scale_b [G, N], or per group scale_a [G] with scale_b [G].
+    2D-2D: a [M, K], b [K, N], offs [G] (cumulative K ends) -> out [G, M, N]; scale_a [G, M] (or
+    flat [G * M]) or [G], scale_b [G, N] (or [G * N]) or [G]. Rows of out past offs[-1] (2D-3D) are
+    not written, as in torch; K past offs[-1] (2D-2D) is not read. Any operand layout (copied when
+    tensor cores cannot read it)."""
+    device = _check_device({"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b, "offs": offs})
+    if offs.dtype != torch.int32 or offs.dim() != 1:
+        raise ValueError(f"fp8fx grouped FP8 GEMM: offs must be a 1-D int32 tensor, got {offs.dtype} {tuple(offs.shape)}")
+    if a.dim() != 2 or b.dim() not in (2, 3) or a.shape[1] != b.shape[-2]:
+        raise ValueError(
+            f"fp8fx grouped FP8 GEMM: needs a [M, K] with b [G, K, N] or [K, N], got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    k_grouped = b.dim() == 2
+    variant = GroupedVariant(a.dtype, b.dtype, k_grouped, out_dtype, fast_accum)
+    (m, k), n, groups = a.shape, b.shape[-1], offs.shape[0]
+    if not k_grouped and b.shape[0] != groups:
+        raise ValueError(f"fp8fx grouped FP8 GEMM: b has {b.shape[0]} groups, offs {groups}")
+    scale_a, scale_b = scale_a.contiguous(), scale_b.contiguous()
+    sb_strides = _grouped_scale_strides("scale_b", scale_b, groups, n, True, True)
+    # An [M] rowwise scale_a with as many rows as groups is read as scale_b is: per group or per row.
+    sa_strides = _grouped_scale_strides("scale_a", scale_a, groups, m, k_grouped, sb_strides[1] == 0)
+    a = rows_aligned(a)
+    bt = rows_aligned(b.transpose(-2, -1))  # [G, N, K] or [N, K]: K-contiguous
+    offs = offs.contiguous()
+    out = torch.empty((groups, m, n) if k_grouped else (m, n), dtype=out_dtype, device=device)
+    if out.numel() == 0 or groups == 0:
+        return out
+    target = device_target(device)
+    sms = _multiprocessors(device)
+    row_tiles = (lambda bm: groups * triton.cdiv(m, bm)) if k_grouped else (lambda bm: triton.cdiv(m, bm) + groups)
+
+    def grid(meta):  # an upper bound on the tiles (the group sizes are on the device), at most one program per SM
+        return (min(sms, row_tiles(meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
+
+    out_strides = (out.stride(0), out.stride(1), out.stride(2)) if k_grouped else (0, out.stride(0), out.stride(1))
+    b_group_stride = 0 if k_grouped else bt.stride(0)
+    kernel = grouped_autotuner(target, variant)
+    kernel[grid](
+        a, bt, out, scale_a, scale_b, offs, groups, m, n, k, m_bucket(m), m_bucket(k),
+        a.stride(0), a.stride(1), b_group_stride, bt.stride(-1), bt.stride(-2), *out_strides, *sa_strides, *sb_strides,
+        **variant.constexprs(),
+    )  # fmt: skip
+    return out
 
 
 def _launch_quantize(x: Tensor, out: Tensor, scale: Tensor, amax: Tensor, variant: QuantizeVariant) -> None:

@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fp8fx.codegen.triton_kernels import fp8_gemm_kernel, quantize_kernel
-from fp8fx.codegen.variants import CONFIGS, FAMILIES, GemmVariant, QuantizeVariant, TileConfig, configs_for
+from fp8fx.codegen.variants import CONFIGS, FAMILIES, GemmVariant, GroupedVariant, QuantizeVariant, TileConfig, configs_for
 from fp8fx.core.epilogue import Epilogue
 
 CAPABILITY = {"sm_89": 89, "sm_90a": 90, "sm_100a": 100}
@@ -167,6 +167,25 @@ def build_quantize(variant: QuantizeVariant, arch: str) -> BuildResult:
     return _result(variant.name, arch, config, kernel, None, "quantize")
 
 
+def _grouped_kernel(variant: GroupedVariant, arch: str, config: TileConfig):
+    from fp8fx.codegen.grouped_kernel import fp8_grouped_gemm_kernel as fn
+
+    # The launcher's layout: K-contiguous operands, row-major outputs, contiguous scales.
+    pointers = {
+        "a_ptr": _PTR[variant.a_dtype], "b_ptr": _PTR[variant.b_dtype], "out_ptr": _PTR[variant.out_dtype],
+        "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32", "offs_ptr": "*i32",
+    }  # fmt: skip
+    constexprs = {**variant.constexprs(), **config.constexprs(), "stride_ak": 1, "stride_bk": 1, "stride_on": 1}
+    signature = _signature(fn, pointers, constexprs)
+    aligned = ("N", "K", "stride_am", "stride_bg", "stride_bn", "stride_og", "stride_om")
+    return _compile(fn, signature, constexprs, arch, config.num_warps, config.num_stages, aligned)
+
+
+def build_grouped(variant: GroupedVariant, arch: str, config: TileConfig) -> BuildResult:
+    """The grouped GEMM (`grouped_kernel.fp8_grouped_gemm_kernel`) built for one arch and config."""
+    return _result(variant.name, arch, config, _grouped_kernel(variant, arch, config), FP8_MMA[arch], "grouped")
+
+
 # Warp specialization is read from the TTGIR: the partitions are the regions of a
 # `ttg.warp_specialize` op (its PTX then rebalances registers between them with `setmaxnreg`:
 # 10 of them in the sm_100a kernel; a config asking for it on Hopper gets neither).
@@ -246,4 +265,13 @@ def coverage_variants() -> list:
     return gemms + quantizers
 
 
-__all__ = ["BuildResult", "build_all", "build_gemm", "build_quantize", "coverage_variants", "families_of", "gemm_ir"]
+__all__ = [
+    "BuildResult",
+    "build_all",
+    "build_gemm",
+    "build_grouped",
+    "build_quantize",
+    "coverage_variants",
+    "families_of",
+    "gemm_ir",
+]

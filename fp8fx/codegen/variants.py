@@ -201,6 +201,46 @@ CONFIGS: dict[tuple[str, str], tuple[TileConfig, ...]] = {
     ),
     ("interpreter", "tma"): (TileConfig(32, 32, 32, 2, 1, 1, (("EPILOGUE_SUBTILE", 2),)),),
 }
+# The grouped GEMM (fp8fx.codegen.grouped_kernel): pointer loads, persistent over the groups'
+# tiles. Mixture-of-experts groups are often a few hundred tokens, so smaller tiles follow the
+# largest; 128 x 128 x 128 on 8 warps is the dense pointer kernel's first config.
+GROUPED_CONFIGS: dict[str, tuple[TileConfig, ...]] = {
+    "sm_90a": (TileConfig(128, 128, 128, 8, 8, 4), TileConfig(64, 128, 128, 8, 4, 4), TileConfig(64, 64, 128, 8, 4, 3)),
+    "sm_100a": (TileConfig(128, 128, 128, 8, 8, 4), TileConfig(64, 128, 128, 8, 4, 4), TileConfig(64, 64, 128, 8, 4, 3)),
+    "sm_89": (TileConfig(128, 64, 128, 8, 4, 3), TileConfig(64, 64, 128, 8, 4, 3)),
+    "interpreter": (TileConfig(32, 32, 32, 2, 1, 1),),
+}
+
+
+@dataclass(frozen=True)
+class GroupedVariant:
+    """One generated grouped FP8 GEMM: 2D-3D (groups of a's rows, one B per group) or 2D-2D
+    (k_grouped: groups of the contraction dimension, one output per group)."""
+
+    a_dtype: torch.dtype
+    b_dtype: torch.dtype
+    k_grouped: bool
+    out_dtype: torch.dtype = torch.bfloat16
+    fast_accum: bool = False
+
+    def __post_init__(self):
+        for name in ("a_dtype", "b_dtype"):
+            fp8_format_of(getattr(self, name))
+        if self.a_dtype == self.b_dtype == torch.float8_e5m2:
+            raise ValueError("grouped FP8 GEMM with two E5M2 operands: no tensor-core instruction takes it")
+        if self.out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"grouped FP8 GEMM output dtype must be float32, bfloat16 or float16, got {self.out_dtype}")
+
+    @property
+    def name(self) -> str:
+        form = "2d2d" if self.k_grouped else "2d3d"
+        fast = "_fastacc" if self.fast_accum else ""
+        return f"fp8_grouped_gemm_{form}_{_SHORT[self.a_dtype]}{_SHORT[self.b_dtype]}_{_SHORT[self.out_dtype]}{fast}"
+
+    def constexprs(self) -> dict:
+        return {"K_GROUPED": self.k_grouped, "FAST_ACCUM": self.fast_accum}
+
+
 # CUDA's grid limits: x up to 2**31 - 1 programs, y and z up to 65535.
 GRID_LIMITS = (2**31 - 1, 65535, 65535)
 

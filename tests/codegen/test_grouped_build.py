@@ -1,0 +1,55 @@
+"""The grouped FP8 GEMM (mixture-of-experts) built for Hopper and Blackwell on the CPU: FP8 tensor
+cores, no spills, shared memory within the limit; and its launch autotuner on every target.
+(tests/codegen/interpreter/test_grouped.py runs the same kernel through the same launcher.)"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from fp8fx.codegen import launch
+from fp8fx.codegen.targets import build_grouped
+from fp8fx.codegen.variants import GROUPED_CONFIGS, TARGETS, GroupedVariant
+
+E4M3 = torch.float8_e4m3fn
+FP8_MMA = {"sm_90a": "wgmma.mma_async.sync.aligned.", "sm_100a": "tcgen05.mma.cta_group::1.kind::f8f6f4"}
+
+
+def check(variant: GroupedVariant, arch: str, config) -> None:
+    r = build_grouped(variant, arch, config)
+    assert r.ok, r  # 0 spills, shared memory within the limit
+    assert r.fp8_mma and r.fp8_mma.startswith(FP8_MMA[arch]), r
+    if arch == "sm_90a":
+        assert r.fp8_mma.endswith(".e4m3.e4m3"), r
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("k_grouped", [False, True], ids=["2d3d", "2d2d"])
+def test_grouped_gemm_builds_with_fp8_tensor_cores(arch, k_grouped):
+    """The largest config of each form (2D-2D adds the partial K windows' loads and MMAs)."""
+    check(GroupedVariant(E4M3, E4M3, k_grouped, torch.bfloat16), arch, GROUPED_CONFIGS[arch][0])
+
+
+@pytest.mark.slow
+def test_every_grouped_config_builds():
+    for arch in ("sm_90a", "sm_100a"):
+        for k_grouped in (False, True):
+            for config in GROUPED_CONFIGS[arch]:
+                check(GroupedVariant(E4M3, E4M3, k_grouped, torch.float32), arch, config)
+
+
+def test_grouped_autotuner_builds_for_every_target():
+    """Each config names the kernel's tile constexprs, which with the variant's fill every
+    constexpr parameter; the interpreter has one config (it never benchmarks)."""
+    for target in TARGETS:
+        for k_grouped in (False, True):
+            variant = GroupedVariant(E4M3, E4M3, k_grouped)
+            tuner = launch.grouped_autotuner(target, variant)
+            assert tuner is launch.grouped_autotuner(target, variant)
+            constexprs = {p.name for p in tuner.fn.params if p.is_constexpr}
+            required = {p.name for p in tuner.fn.params if p.is_constexpr and p.default is inspect.Parameter.empty}
+            for config in tuner.configs:
+                assert required == set(config.kwargs) | set(variant.constexprs()) <= constexprs, target
+    assert len(launch.grouped_autotuner("interpreter", GroupedVariant(E4M3, E4M3, False)).configs) == 1
