@@ -25,8 +25,8 @@ from fp8fx.codegen.dispatch import grouped_launcher
 from fp8fx.core import grouped
 from fp8fx.core.formats import Fp8Format
 from fp8fx.core.grouped import OperandScales
-from fp8fx.core.recipes import AmaxComputeAlgo
-from fp8fx.passes.annotation import META_KEY, DelayedSpec, Fusion, annotate, annotation, node_annotations, state_key
+from fp8fx.core.recipes import AmaxComputeAlgo, Precision
+from fp8fx.passes.annotation import META_KEY, DelayedSpec, Fusion, ReasonKind, annotate, annotation, node_annotations, state_key
 from fp8fx.passes.find_matmuls import fused_backward, group_offsets, matmul_operands
 from fp8fx.passes.graph_utils import PassContext, PassResult, add_node, fake_mode_of, node_values, op_args, strip_layout
 from fp8fx.runtime.monitor import Monitor
@@ -230,16 +230,26 @@ class _Inserter:
             input_t = self.add(aten.t.default, (args["input"],), tag_from=gemm)
         products = {"grad_input": (0, args["grad_output"], weight_t), "grad_weight": (1, input_t, args["grad_output"])}
         outputs = {user.args[1]: user for user in gemm.users if user.target is operator.getitem}
+        kept, unread = [], []
         for ann in node_annotations(gemm):
             index, left, right = products[ann.role]
             if ann.fp8 and index in outputs:
                 new = self.grouped_gemm(gemm, ann, left, right, offs, outputs[index].meta["val"].dtype)
                 outputs[index].replace_all_uses_with(new)
                 self.graph.erase_node(outputs[index])
-        kept = tuple(a for a in node_annotations(gemm) if not a.fp8)
-        gemm.meta[META_KEY] = kept  # a gradient kept high is still this node's (it computes both)
-        if not gemm.users:
+            else:
+                (unread if ann.fp8 else kept).append(ann)
+        if not gemm.users:  # nothing left to compute: a gradient nobody reads has no GEMM (nor row)
             self.graph.erase_node(gemm)
+            for site in self.ctx.sites:
+                for ann in unread:
+                    if site.name == ann.site and ann.role in site.gemms:
+                        del site.gemms[ann.role]
+            return
+        why = "nothing reads this gradient: transformers' fused backward computes it beside the one it keeps, in the model's precision"
+        unread = [replace(a, decision=replace(a.decision, precision=Precision.HIGH, reason_kind=ReasonKind.PATTERN, reason=why, formats=None,
+                                              scaling=None, granularity=None)) for a in unread]  # fmt: skip
+        gemm.meta[META_KEY] = (*kept, *unread)  # a gradient kept high is still this node's (it computes both)
 
     def rewrite(self, gemm: fx.Node) -> fx.Node:
         ann = annotation(gemm)
