@@ -66,7 +66,7 @@ def operand_scales(form: str, side: int, block: tuple[int, ...] | list[int]) -> 
         if across != 1:
             raise ValueError(f"fp8fx: grouped GEMM {form} operand {side}: no per-group form of block {list(block)}")
         return OperandScales(None, dim, lines=True)
-    return OperandScales(block, align=along)
+    return OperandScales(block, dim, align=along)
 
 
 def scale_shape(shape: tuple, groups: int, scales: OperandScales) -> tuple:
