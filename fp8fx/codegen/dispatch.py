@@ -142,12 +142,10 @@ def choose_kernel(kernels: str, variant: GemmVariant, shape: tuple, device: torc
 
 
 def grouped_launcher():
-    """The generated grouped FP8 GEMM's launcher (`grouped_fp8_gemm` of
-    `fp8fx.codegen.grouped_kernel`), or None without Triton or that launcher."""
+    """The generated grouped FP8 GEMM's launcher (`fp8fx.codegen.launch.grouped_fp8_gemm`), or None
+    without Triton."""
     if not triton_available():
         return None
-    try:
-        from fp8fx.codegen.grouped_kernel import grouped_fp8_gemm
-    except ImportError:
-        return None
+    from fp8fx.codegen.launch import grouped_fp8_gemm
+
     return grouped_fp8_gemm

@@ -61,11 +61,16 @@ def scaled_mm_2d(
     fast_accum: bool = False,
 ) -> Tensor:
     """One 2-D FP8 GEMM through `torch._scaled_mm`: checks, pads M, N and K to multiples of 16, lays
-    out b column-major. `fast_accum` is its `use_fast_accum` (Hopper's FP8 accumulator, unpromoted)."""
+    out b column-major. `fast_accum` is its `use_fast_accum` (Hopper's FP8 accumulator, unpromoted).
+    Scale blocks it cannot take (MX's, as fp32 scale inverses) run the generated kernel instead."""
     if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
         raise ValueError("FP8 GEMM with two E5M2 operands is not supported by cuBLASLt; use format hybrid or e4m3")
     m, n = a.shape[0], b.shape[1]
     block_a, block_b = list(block_a), list(block_b)
+    if scaled_mm_kind(block_a, block_b) is None and triton_available():  # MX blocks: the generated kernel
+        from fp8fx.codegen.launch import fp8_gemm
+
+        return fp8_gemm(a, b, scale_inv_a, scale_inv_b, block_a=tuple(block_a), block_b=tuple(block_b), out_dtype=out_dtype)[0]
     # Zero rows / columns / K-slices change no product, and padding to 16 never opens a new 128-block.
     a = _pad_to(_pad_to(a, 0, ALIGN), 1, ALIGN).contiguous()
     b = _pad_to(_pad_to(b, 0, ALIGN), 1, ALIGN).t().contiguous().t()  # column-major
@@ -189,6 +194,21 @@ def _rowwise_scales(s: Tensor, spec: grouped.OperandScales, form: str, side: int
     return s.reshape(groups, -1).expand(groups, lines).contiguous()
 
 
+def _grouped_triton(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, form, scales, fast_accum) -> Tensor:
+    """The generated grouped kernel (GPUs, and CPU tensors under Triton's interpreter)."""
+    sa, sb = (_rowwise_scales(s, spec, form, side, x, offs) for side, (s, spec, x) in enumerate(zip((scale_inv_a, scale_inv_b), scales, (a, b))))
+    return grouped_launcher()(a, b, sa, sb, offs, out_dtype, fast_accum=fast_accum)
+
+
+def fp8_grouped_mm_cpu(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, block_a, block_b, fast_accum=False) -> Tensor:
+    """`fp8fx::fp8_grouped_mm` on CPU tensors: under Triton's interpreter the generated grouped kernel
+    wherever it takes the scales, as a GPU runs it; else the exact emulation."""
+    form, scales = reference.check_grouped_args(a, b, scale_inv_a, scale_inv_b, offs, block_a, block_b)
+    if interpreter_active() and grouped.rowwise_layout(scales):
+        return _grouped_triton(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, form, scales, fast_accum)
+    return reference.fp8_grouped_mm(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, block_a, block_b, fast_accum)
+
+
 def fp8_grouped_mm_cuda(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, block_a, block_b, fast_accum=False) -> Tensor:
     """`fp8fx::fp8_grouped_mm` on CUDA: the kernel `fp8fx.core.grouped.gpu_kernel` names. For
     `torch._scaled_grouped_mm` each group is padded to a multiple of 16 (rows of the 2-D x 3-D
@@ -198,12 +218,9 @@ def fp8_grouped_mm_cuda(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, block_a
     kernel, _ = grouped.gpu_kernel(formats, scales, grouped_launcher() is not None)
     if kernel == "emulated":
         return reference.fp8_grouped_mm(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, block_a, block_b, fast_accum)
-    sa, sb = (
-        _rowwise_scales(s, spec, form, side, x, offs)
-        for side, (s, spec, x) in enumerate(zip((scale_inv_a, scale_inv_b), scales, (a, b)))
-    )
     if kernel == "triton":
-        return grouped_launcher()(a, b, sa, sb, offs, out_dtype)
+        return _grouped_triton(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, form, scales, fast_accum)
+    sa, sb = (_rowwise_scales(s, spec, form, side, x, offs) for side, (s, spec, x) in enumerate(zip((scale_inv_a, scale_inv_b), scales, (a, b))))
     rows = a.shape[0]
     if form == "2d-3d":
         a, sa = reference.pad_groups(a, offs, 0, ALIGN), reference.pad_groups(sa[:, None], offs, 0, ALIGN)[:, 0]
@@ -220,3 +237,4 @@ def fp8_grouped_mm_cuda(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, block_a
 
 
 library.fp8_grouped_mm.register_kernel("cuda")(fp8_grouped_mm_cuda)
+library.fp8_grouped_mm.register_kernel("cpu")(fp8_grouped_mm_cpu)

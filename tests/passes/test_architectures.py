@@ -4,7 +4,7 @@ fp8fx, against the GEMMs a plain `aot_eager` compile captures and the GEMMs eage
 dispatches for the same step (an oracle that does not use the passes).
 
 Three architectures always run (a decoder, a vision model with a patch convolution, an MoE with
-opaque expert GEMMs); `FP8FX_ARCHITECTURES=N` more are drawn from the rest with
+grouped expert GEMMs in FP8); `FP8FX_ARCHITECTURES=N` more are drawn from the rest with
 `FP8FX_ARCHITECTURES_SEED` (3 and 0 by default; `FP8FX_ARCHITECTURES=all` runs every one).
 """
 
@@ -26,8 +26,8 @@ ALWAYS = ["llama", "vit", "mixtral"]
 # eager loops over time steps (one per step). The compiled graphs are what the report can count.
 EAGER_DIFFERS = {"mamba"}
 # What keeps GEMMs high in the fixed part of the sample: attention everywhere, the patch
-# convolution (conv_patch is not in the default ops), the experts' grouped-mm custom op.
-ALWAYS_HIGH = {"llama": {"op_kind"}, "vit": {"op_kind", "conv"}, "mixtral": {"op_kind", "opaque", "shape"}}
+# convolution (conv_patch is not in the default ops), the MoE router (N = experts).
+ALWAYS_HIGH = {"llama": {"op_kind"}, "vit": {"op_kind", "conv"}, "mixtral": {"op_kind", "shape"}}
 REASON_KINDS = {"policy", "op_kind", "shape", "dtype", "pattern", "unlinked", "shadow", "opaque", "conv"}
 
 

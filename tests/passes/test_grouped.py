@@ -59,7 +59,9 @@ def _dequantized(x: torch.Tensor, block: tuple, power_of_two: bool) -> torch.Ten
 
 def _hand_reference(a, b, offs, form, granularity):
     """Each group's operands quantized alone (scales from that group's slice) and multiplied in fp32."""
-    left, right = {Granularity.TENSORWISE: ((), ()), Granularity.ROWWISE: ((1, 0), (0, 1)), Granularity.MX: ((1, 32), (32, 1))}[granularity]
+    left, right = {Granularity.TENSORWISE: ((), ()), Granularity.ROWWISE: ((1, 0), (0, 1)), Granularity.MX: ((1, 32), (32, 1))}[
+        granularity
+    ]
     if form == "2d-3d" and granularity is Granularity.TENSORWISE:
         right = (0, 0)  # one scale per expert matrix
     p2 = granularity is Granularity.MX
@@ -78,7 +80,9 @@ def _operands(form, sizes, k=64, n=48, m=32):
     torch.manual_seed(0)
     total = sum(sizes)
     if form == "2d-3d":  # tokens x experts; experts of different magnitudes (scales per expert matter)
-        return torch.randn(total, k), torch.randn(len(sizes), k, n) * torch.tensor([1.0, 10.0, 0.1, 3.0])[: len(sizes), None, None]
+        return torch.randn(total, k), torch.randn(len(sizes), k, n) * torch.tensor([1.0, 10.0, 0.1, 3.0])[
+            : len(sizes), None, None
+        ]
     return torch.randn(m, total) * 4, torch.randn(total, n)
 
 
@@ -92,7 +96,11 @@ def test_fp8_grouped_mm_matches_a_per_group_reference(form, granularity):
     offs = _offsets(SIZES)
     out = _fp8_grouped(a, b, offs, form, granularity)
     reference = _hand_reference(a, b, offs, form, granularity)
-    exact = torch.stack([a[:, s:e] @ b[s:e] for s, e in zip([0, *offs.tolist()[:-1]], offs.tolist())]) if form == "2d-2d" else torch._grouped_mm(a, b, offs=offs)
+    exact = (
+        torch.stack([a[:, s:e] @ b[s:e] for s, e in zip([0, *offs.tolist()[:-1]], offs.tolist())])
+        if form == "2d-2d"
+        else torch._grouped_mm(a, b, offs=offs)
+    )
     # The same FP8 values either way; only the fp32 summation order differs (measured 136-188 dB).
     assert sqnr(out, reference) > 100
     assert sqnr(out, exact) > OUTPUT_SQNR_DB  # FP8's window: 28-29 dB measured
@@ -124,7 +132,9 @@ def test_mx_matches_torchao_emulated_grouped_mm():
     x, g = _operands("2d-2d", sizes)  # wgrad: x [M, K_total], g [K_total, N]
     x_data, x_scale = to_mx(x)
     g_data, g_scale = to_mx(g.t())
-    theirs = moe._emulated_mxfp8_scaled_grouped_mm_2d_2d(x_data, x_scale, g_data, g_scale, offs=offs, out_dtype=torch.bfloat16).float()
+    theirs = moe._emulated_mxfp8_scaled_grouped_mm_2d_2d(
+        x_data, x_scale, g_data, g_scale, offs=offs, out_dtype=torch.bfloat16
+    ).float()
     assert sqnr(_fp8_grouped(x, g, offs, "2d-2d", Granularity.MX), theirs) > 45
 
 
@@ -165,7 +175,9 @@ def test_cuda_dispatch_feeds_scaled_grouped_mm_what_it_takes(monkeypatch):
             a, b = _operands(form, SIZES)
             offs = _offsets(SIZES)
             blocks = GRANULARITIES[granularity].blocks(("input", "weight"))
-            (qa, sa), (qb, sb) = (_graph_chain(x, offs, form, side, block, False) for side, (x, block) in enumerate(zip((a, b), blocks)))
+            (qa, sa), (qb, sb) = (
+                _graph_chain(x, offs, form, side, block, False) for side, (x, block) in enumerate(zip((a, b), blocks))
+            )
             args = (qa, qb, sa, sb, offs, torch.float32, list(blocks[0]), list(blocks[1]))
             assert sqnr(cuda.fp8_grouped_mm_cuda(*args), ops.fp8_grouped_mm(*args)) > 40  # bf16 output of the kernel
 
@@ -194,7 +206,12 @@ def test_mixtral_block_grouped_gemms_are_rewritten(dtype):
     reference(x.detach().float()).square().sum().backward()
     forward, backward = captured.forward[0], captured.backward[0]
     assert (count(forward, GROUPED_MM), count(backward, GROUPED_MM)) == (2, 4)
-    left = [n for g in (forward, backward) for n in g.graph.nodes if n.op == "call_function" and "grouped_mm" in str(n.target) and n.target != GROUPED_MM]
+    left = [
+        n
+        for g in (forward, backward)
+        for n in g.graph.nodes
+        if n.op == "call_function" and "grouped_mm" in str(n.target) and n.target != GROUPED_MM
+    ]
     assert left == []  # no aten._grouped_mm or transformers op stays
     rows = [op for op in captured.report.ops if op.op == "grouped_mm"]
     assert len(rows) == 6 and all(op.precision == "fp8" and op.groups == 4 for op in rows)
@@ -212,14 +229,18 @@ def test_recipes_on_grouped_gemms(recipe):
     captured.compiled(torch.randn(1, 8, 32, requires_grad=True)).square().sum().backward()
     rows = {op.role: op for op in captured.report.ops if op.op == "grouped_mm" and op.site.endswith("#0")}
     if recipe == "delayed":  # one scale per tensor cannot scale groups
-        assert all(op.precision == "high" and op.reason_kind == "pattern" and "scaling: dynamic" in op.reason for op in rows.values())
+        assert all(
+            op.precision == "high" and op.reason_kind == "pattern" and "scaling: dynamic" in op.reason for op in rows.values()
+        )
     elif recipe == "rowwise_gw_hp":  # the fused backward keeps computing the high gradient
         assert (rows["grad_input"].precision, rows["grad_weight"].precision) == ("fp8", "high")
         assert count(captured.backward[0], GROUPED_MM) == 2
     else:
         assert all(op.precision == "fp8" for op in rows.values())
         padded = "padded to a multiple of 32" in rows["grad_weight"].reason
-        assert padded == (recipe == "mxfp8") and count(captured.backward[0], ops.pad_groups.default) == (4 if recipe == "mxfp8" else 0)
+        assert padded == (recipe == "mxfp8") and count(captured.backward[0], ops.pad_groups.default) == (
+            4 if recipe == "mxfp8" else 0
+        )
 
 
 def test_grouped_gemm_cost_and_text():
@@ -234,3 +255,63 @@ def test_grouped_gemm_cost_and_text():
     h100 = costmodel.gpu("h100")
     single = costmodel.predict(op, h100)
     assert math.isclose(single.bf16_us, h100.gemm_us(math.ceil(op.m / 4), op.n, op.k, 4, h100.bf16_tflops, 2))
+
+
+MOE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 256,
+       "max_position_embeddings": 64, "pad_token_id": 0, "head_dim": 16, "num_key_value_heads": 4, "num_experts_per_tok": 2,
+       "use_cache": False}  # fmt: skip
+MOE_MODELS = {
+    "mixtral": {"num_local_experts": 4},
+    "olmoe": {"num_experts": 4},
+    "qwen2_moe": {"num_experts": 4, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 128},
+    "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 64},
+}
+
+
+def _expert_share(report: fp8fx.Report, backward: bool) -> float | None:
+    """FP8 share of the GEMM FLOPs with attention and the routers (gates of N = experts) left aside."""
+    rows = [
+        op for op in report.ops
+        if op.backward == backward and op.op != "sdpa" and "attn" not in op.fqn and op.fqn.split(".")[-1] not in ("gate", "shared_expert_gate")
+    ]  # fmt: skip
+    total = sum(op.flops for op in rows)
+    return sum(op.flops for op in rows if op.precision == "fp8") / total if total else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MOE_MODELS))
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm", "eager"])
+def test_moe_models_train_with_fp8_experts(name, impl):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = transformers.AutoConfig.for_model(name, **MOE, **MOE_MODELS[name], experts_implementation=impl)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    backend = fp8fx.backend(inner="eager")
+    compiled = torch.compile(model, backend=backend)
+    out = compiled(input_ids=ids).logits
+    out.float().square().mean().backward()
+    expected = reference(input_ids=ids).logits
+    expected.float().square().mean().backward()
+    report = fp8fx.report(backend)
+    experts = [op for op in report.ops if ".experts" in op.fqn]
+    if impl == "grouped_mm":  # every expert GEMM in FP8, forward and backward
+        assert experts and all(op.op == "grouped_mm" and op.precision == "fp8" for op in experts)
+        assert _expert_share(report, False) >= 0.9 and _expert_share(report, True) >= 0.9
+    elif impl == "batched_mm":  # one routed token per bmm: kept high, and said why
+        assert experts and all(op.precision == "high" and "one routed token per product" in op.reason for op in experts)
+    else:  # the per-expert loop depends on the routing: Dynamo runs it outside any graph, unseen
+        assert experts == []
+    assert sqnr(out, expected) > OUTPUT_SQNR_DB
+    grads = [(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()) if q.grad is not None]
+    assert sqnr(torch.cat([g.flatten() for g, _ in grads]), torch.cat([r.flatten() for _, r in grads])) > GRAD_SQNR_DB
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(compiled(input_ids=ids).logits.flatten(0, 1).float(), ids.flatten())
+        loss.backward()
+        opt.step()
+        assert torch.isfinite(loss)
