@@ -76,7 +76,7 @@ def hadamard_transform(x: Tensor, dim: int, matrix: Tensor) -> Tensor:
     """Every 16 consecutive elements `v` of `x` along `dim` replaced by `v @ matrix` (fp32), `dim`
     zero-padded to a multiple of 16 first. Along the contraction dim of both operands of a GEMM,
     `(A R)(R^T B) = A B` for the block-diagonal orthogonal `R`: the left operand takes `dim=-1`,
-    the right one `dim=-2`. In fp32 (fp64 for fp64 inputs)."""
+    the right one `dim=-2`. In fp32 (fp64 for fp64 inputs), contiguous."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     x = x.to(dtype).movedim(dim, -1)
     n = x.shape[-1]
@@ -84,4 +84,4 @@ def hadamard_transform(x: Tensor, dim: int, matrix: Tensor) -> Tensor:
     if padded != n:
         x = torch.nn.functional.pad(x, (0, padded - n))
     out = (x.reshape(*x.shape[:-1], padded // HADAMARD_SIZE, HADAMARD_SIZE) @ matrix.to(x.device, dtype)).reshape(x.shape)
-    return out.movedim(-1, dim)
+    return out.movedim(-1, dim).contiguous()

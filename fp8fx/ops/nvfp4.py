@@ -49,7 +49,7 @@ def cast_nvfp4(x: Tensor, scale: Tensor, block: list[int], stochastic: bool) -> 
     check_block(block, "cast_nvfp4")
     scaled = x.to(torch.float32) * scaling.expand_blocks(scale, tuple(block), x.shape)
     rounded = fp4.stochastic_round_e2m1(scaled) if stochastic else fp4.round_e2m1(scaled)
-    return rounded.to(fp4.CARRIER)
+    return torch.empty_like(x, dtype=fp4.CARRIER).copy_(rounded)  # x's layout, as the fake says
 
 
 @hadamard.register_fake

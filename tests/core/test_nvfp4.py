@@ -357,6 +357,45 @@ def test_transformer_from_assets_trains_under_nvfp4():
     assert fp8fx.report(cap.backend).summary()["fp8_gemms"] > 0
 
 
+def test_inductor_and_dynamic_shapes_run_nvfp4():
+    """The NVFP4 ops through Inductor (their fakes' strides are what its generated code asserts),
+    and a dynamic token count (the transform pads it to 16) with the monitor sampling each cast."""
+    torch.manual_seed(0)
+    model = Wrapped(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)))
+    x = torch.randn(50, 64, generator=torch.Generator().manual_seed(9), requires_grad=True)
+    expected = model(x)
+    compiled = torch.compile(model, backend=fp8fx.backend(policy=Policy.from_recipe("nvfp4"), inner="inductor"))
+    out = compiled(x)
+    out.square().mean().backward()
+    assert NVFP4_OUTPUT_SQNR_DB[0] < sqnr(out.detach(), expected.detach()) < NVFP4_OUTPUT_SQNR_DB[1]
+    assert torch.isfinite(x.grad).all()
+    backend = fp8fx.backend(policy=Policy.from_recipe("nvfp4"), inner="eager", monitor_every=1)
+    dynamic = torch.compile(
+        Wrapped(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))), backend=backend, dynamic=True
+    )
+    for tokens in (40, 77):
+        dynamic(torch.randn(tokens, 64)).sum().backward()
+    samples = [s for series in backend.monitor.samples.values() for s in series]
+    assert samples and all(math.isfinite(s.scale) and s.scale > 0 for s in samples)
+    assert "inner.2.grad_weight.grad_output" in backend.monitor.samples  # the transformed, stochastically rounded gradient
+
+
+def test_ops_agree_with_their_fakes():
+    """torch.library.opcheck: schema, fake shapes and strides (a transposed operand included), and
+    the ops under AOT autograd's dynamic shapes."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(40, 64, generator=g)
+    for dim in (-1, -2):
+        torch.library.opcheck(ops.hadamard, (x, dim))
+        torch.library.opcheck(ops.hadamard, (x.t(), dim))
+    amax = ops.amax(x, [1, 16])
+    torch.library.opcheck(ops.nvfp4_scale, (amax,))
+    scale, _ = ops.nvfp4_scale(amax)
+    torch.library.opcheck(ops.cast_nvfp4, (x, scale, [1, 16], False))
+    scale_t, _ = ops.nvfp4_scale(ops.amax(x.t(), [16, 1]))
+    torch.library.opcheck(ops.cast_nvfp4, (x.t(), scale_t, [16, 1], False))
+
+
 def test_cuda_path_refuses_with_one_message():
     for op in ("hadamard", "nvfp4_scale", "cast_nvfp4"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fp8fx::{op}", "CUDA"), op
