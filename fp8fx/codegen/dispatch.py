@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from fp8fx.codegen.variants import GemmVariant
+from fp8fx.codegen.variants import CONFIGS, DEFAULT_FAMILY, GemmVariant
 
 TABLE_FORMAT = 1
 
@@ -42,6 +42,15 @@ def interpreter_active() -> bool:
     import triton
 
     return bool(triton.knobs.runtime.interpret)
+
+
+def gemm_family(target: str, variant: GemmVariant) -> str:
+    """The kernel family that runs `variant`'s GEMM on `target`: MX GEMMs run "mx" (block-scaled
+    MMAs) where it has tile configs (Blackwell, and the interpreter that tests it); everything else
+    the target's default (`fp8fx.codegen.variants.DEFAULT_FAMILY`)."""
+    if variant.mx and (target, "mx") in CONFIGS:
+        return "mx"
+    return DEFAULT_FAMILY[target]
 
 
 def scaled_mm_kind(block_a: list[int], block_b: list[int]) -> str | None:

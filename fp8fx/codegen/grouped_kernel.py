@@ -16,8 +16,8 @@ Scales are scale inverses, applied to the fp32 accumulator after the K loop (con
 both forms). The launcher passes any granularity as (per-group, per-row / per-column) strides:
 rowwise A is (0, 1) in 2D-3D, a per-group scalar (1, 0), a [G, M] tensor (M, 1); B likewise. The
 accumulation (`dot_accumulate`, with Hopper's per-BLOCK_K promotion unless FAST_ACCUM) and the
-tile order inside a group (`tile_position`) are the dense kernel's. Its launcher,
-`grouped_fp8_gemm`, is `fp8fx.codegen.launch`'s (with the dense one), importable from here too.
+tile order inside a group (`tile_position`) are the dense kernel's. Its launcher is
+`fp8fx.codegen.launch.grouped_fp8_gemm`.
 """
 
 from __future__ import annotations
@@ -25,10 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fp8fx.codegen.launch import grouped_fp8_gemm
 from fp8fx.codegen.triton_kernels import dot_accumulate, tile_position
-
-__all__ = ["fp8_grouped_gemm_kernel", "grouped_fp8_gemm"]
 
 
 @triton.jit

@@ -17,10 +17,9 @@ import torch
 import triton
 from torch import Tensor
 
-from fp8fx.codegen.dispatch import interpreter_active
+from fp8fx.codegen.dispatch import gemm_family, interpreter_active
 from fp8fx.codegen.triton_kernels import amax_kernel, fp8_gemm_kernel, quantize_kernel
 from fp8fx.codegen.variants import (
-    DEFAULT_FAMILY,
     GRID_LIMITS,
     GROUPED_CONFIGS,
     GemmVariant,
@@ -87,10 +86,10 @@ def m_bucket(m: int) -> int:
 
 
 def gemm_grid(m: int, n: int, config: TileConfig, family: str, sms: int) -> tuple[int]:
-    """Programs of one launch: a program per output tile (pointer), or at most one per SM looping
-    over tiles (tma, persistent). Checked against CUDA's grid limit."""
+    """Programs of one launch: a program per output tile (pointer, mx), or at most one per SM
+    looping over tiles (tma, persistent). Checked against CUDA's grid limit."""
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    programs = tiles if family == "pointer" else min(sms, tiles)
+    programs = min(sms, tiles) if family == "tma" else tiles
     if programs > GRID_LIMITS[0]:
         raise ValueError(
             f"fp8fx FP8 GEMM: {m} x {n} needs {programs} tiles of {config.block_m} x {config.block_n}, over CUDA's grid limit"
@@ -99,8 +98,9 @@ def gemm_grid(m: int, n: int, config: TileConfig, family: str, sms: int) -> tupl
 
 
 def _kernel(family: str):
-    """(kernel, config pre-hook): TMA descriptors take their block shape from the chosen config."""
-    if family == "pointer":
+    """(kernel, config pre-hook): TMA descriptors take their block shape from the chosen config.
+    The mx family is the pointer kernel with block-scaled MMAs (its configs set BLOCK_SCALED_MMA)."""
+    if family in ("pointer", "mx"):
         return fp8_gemm_kernel, None
     from fp8fx.codegen.tma_kernel import fp8_gemm_tma_kernel, set_block_shapes
 
@@ -148,8 +148,8 @@ def fp8_gemm(
     """`epilogue((a * scale_inv_a) @ (b * scale_inv_b))` with one generated kernel.
 
     a: [M, K] FP8, b: [K, N] FP8, any strides (operands that are not K-contiguous with aligned rows
-    are copied first). `family` forces the kernel family ("pointer" or "tma"); by default the
-    target's. Returns (out, aux or None, amax or None)."""
+    are copied first). `family` forces the kernel family ("pointer", "tma", or "mx" for MX blocks);
+    by default `dispatch.gemm_family`'s. Returns (out, aux or None, amax or None)."""
     block_a, block_b = tuple(block_a), tuple(block_b)
     variant = GemmVariant(a.dtype, b.dtype, block_a, block_b, epilogue, out_dtype, aux_dtype, fast_accum)
     device = _check_device(
@@ -186,7 +186,9 @@ def fp8_gemm(
             _check_shape(name, t, shape)
     scale_inv_a, scale_inv_b = scale_inv_a.contiguous(), scale_inv_b.contiguous()  # unit inner stride, as the kernels are built
     target = device_target(device)
-    family = family or DEFAULT_FAMILY[target]
+    family = family or gemm_family(target, variant)
+    if family == "mx" and not variant.mx:
+        raise ValueError(f"fp8fx FP8 GEMM: kernel family mx runs MX blocks (1, 32) x (32, 1) only, got {block_a} x {block_b}")
     if k == 0:
         family = "pointer"  # nothing to load: a descriptor cannot describe an empty K
     a, bt = rows_aligned(a), rows_aligned(b.t())
@@ -202,7 +204,7 @@ def fp8_gemm(
     def strides(t):
         return (t.stride(0), t.stride(1)) if t is not None else (0, 0)
 
-    if family == "pointer":
+    if family != "tma":
         operands = (a, bt.t())
     else:
         from fp8fx.codegen.tma_kernel import operand_descriptors
@@ -229,7 +231,7 @@ def _config_of(meta: dict) -> TileConfig:
 
 def _operand_strides(a: Tensor, bt: Tensor, family: str) -> tuple:
     # The pointer kernel reads b as [K, N] with strides (1, row stride of bt); the TMA kernel gets descriptors.
-    return (a.stride(0), a.stride(1), bt.stride(1), bt.stride(0)) if family == "pointer" else ()
+    return (a.stride(0), a.stride(1), bt.stride(1), bt.stride(0)) if family != "tma" else ()
 
 
 @functools.cache

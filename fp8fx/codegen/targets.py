@@ -4,7 +4,8 @@ Triton compiles for any target on the CPU (it ships ptxas). For each variant, ti
 kernel family (`pointer`: `triton_kernels.fp8_gemm_kernel`; `tma`: the persistent
 `tma_kernel.fp8_gemm_tma_kernel`, Hopper and Blackwell) this module compiles the kernel, then reads
 what a GPU engineer would check: the FP8 tensor-core instruction in the PTX (`mma ... e4m3` on Ada,
-`wgmma.mma_async ... e4m3` on Hopper, `tcgen05.mma ... f8f6f4` on Blackwell), register use and
+`wgmma.mma_async ... e4m3` on Hopper, `tcgen05.mma ... f8f6f4` on Blackwell, and for MX GEMMs
+there (family `mx`) `tcgen05.mma ... mxf8f6f4.block_scale`), register use and
 spills from ptxas, shared memory against the architecture's per-block limit, TMA loads
 (`cp.async.bulk.tensor`) and warp specialization.
 """
@@ -34,6 +35,8 @@ FP8_MMA = {
     "sm_90a": re.compile(r"wgmma\.mma_async\.\S*\.e[45]m[23]\.e[45]m[23]"),
     "sm_100a": re.compile(r"tcgen05\.mma\.\S*kind::f8f6f4"),
 }
+# MX GEMMs on Blackwell (family mx): the block-scaled MMA, E8M0 scales per 32 elements of K.
+BLOCK_SCALED_MMA = re.compile(r"tcgen05\.mma\.\S*kind::mxf8f6f4\.block_scale\S*")
 _PTR = {
     torch.float8_e4m3fn: "*fp8e4nv",
     torch.float8_e5m2: "*fp8e5",
@@ -110,7 +113,7 @@ def _gemm_kernel(variant: GemmVariant, arch: str, config: TileConfig, family: st
         pointers[name] = "*fp32"
     pointers["bias_ptr"] = pointers["residual_ptr"] = "*bf16"
     aligned = ("N", "K", "stride_om", "stride_xm", "stride_rm", "stride_aux_m")  # N, K % 16: the policy's rule
-    if family == "pointer":
+    if family in ("pointer", "mx"):  # mx: the pointer kernel with block-scaled MMAs
         fn = fp8_gemm_kernel
         constexprs = {"stride_ak": 1, "stride_bk": 1}
         pointers.update(a_ptr=_PTR[variant.a_dtype], b_ptr=_PTR[variant.b_dtype])
@@ -140,7 +143,7 @@ def _gemm_kernel(variant: GemmVariant, arch: str, config: TileConfig, family: st
 
 def build_gemm(variant: GemmVariant, arch: str, config: TileConfig, family: str = "pointer") -> BuildResult:
     kernel = _gemm_kernel(variant, arch, config, family)
-    return _result(variant.name, arch, config, kernel, FP8_MMA[arch], family)
+    return _result(variant.name, arch, config, kernel, BLOCK_SCALED_MMA if family == "mx" else FP8_MMA[arch], family)
 
 
 def gemm_ir(variant: GemmVariant, arch: str, config: TileConfig, family: str = "pointer") -> dict[str, str]:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from fp8fx.core import recipes
 from fp8fx.core.epilogue import ACTIVATIONS, AUX_STAGES, MUL_MODES
 
 _RELU = tl.constexpr(ACTIVATIONS["relu"].code)
@@ -219,6 +220,37 @@ def tile_position(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROU
     return pid_m, pid_n
 
 
+MX_BLOCK = tl.constexpr(recipes.MX_BLOCK)  # one E8M0 scale per 32 elements along K
+
+
+@triton.jit
+def _e8m0(scale_inv):
+    """The E8M0 code of a power-of-two fp32 scale inverse: its exponent field. 2**-127 (subnormal
+    in fp32) has field 0, which is E8M0's 2**-127, and so has a flushed 0 (a block of zeros)."""
+    return ((scale_inv.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def _mx_dot(
+    a, b, acc, offs_m, offs_n, mask_m, mask_n, k0, K, scale_a_ptr, scale_b_ptr,
+    stride_sa_row, stride_sa_k, stride_sb_k, stride_sb_col, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """acc += (a * 2**ea) @ (b * 2**eb) on block-scaled tensor cores, the exponents per 1 x 32 (A)
+    and 32 x 1 (B) block of this K window read from fp8fx's fp32 scale inverses (MX's are powers
+    of two: exact). Blocks past M, N or K get 2**0 (their data is never stored, or zero)."""
+    kb = k0 // MX_BLOCK + tl.arange(0, BLOCK_K // MX_BLOCK)
+    in_k = kb < tl.cdiv(K, MX_BLOCK)
+    sa = tl.load(
+        scale_a_ptr + offs_m[:, None] * stride_sa_row + kb[None, :] * stride_sa_k, mask=mask_m[:, None] & in_k[None, :], other=1.0
+    )
+    sb = tl.load(
+        scale_b_ptr + offs_n[:, None] * stride_sb_col + kb[None, :] * stride_sb_k, mask=mask_n[:, None] & in_k[None, :], other=1.0
+    )
+    A_FORMAT: tl.constexpr = "e5m2" if a.dtype == tl.float8e5 else "e4m3"
+    B_FORMAT: tl.constexpr = "e5m2" if b.dtype == tl.float8e5 else "e4m3"
+    return tl.dot_scaled(a, _e8m0(sa), A_FORMAT, b, _e8m0(sb), B_FORMAT, acc)
+
+
 @triton.jit
 def fp8_gemm_kernel(
     a_ptr,
@@ -272,9 +304,12 @@ def fp8_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    BLOCK_SCALED_MMA: tl.constexpr = False,
 ):
     """One output tile per program, operands loaded through pointers (Ada, and the fallback).
-    M_BUCKET is M rounded up to a power of two: the autotuner's key, not used here."""
+    M_BUCKET is M rounded up to a power of two: the autotuner's key, not used here.
+    BLOCK_SCALED_MMA (MX blocks only: 1 x 32 along K for A, 32 x 1 for B) hands the E8M0 scales
+    to the tensor cores' block-scaled MMA (`tl.dot_scaled`) instead of promoting every 32 K."""
     pid_m, pid_n = tile_position(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -293,7 +328,10 @@ def fp8_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
         b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
-        if PER_K_SCALES:
+        if BLOCK_SCALED_MMA:
+            acc = _mx_dot(a, b, acc, offs_m, offs_n, mask_m, mask_n, k0, K, scale_a_ptr, scale_b_ptr,
+                          stride_sa_row, stride_sa_k, stride_sb_k, stride_sb_col, BLOCK_K)  # fmt: skip
+        elif PER_K_SCALES:
             rows_a, ka = _scale_index(offs_m, k0, A_ROW_BLOCK, A_K_BLOCK)
             cols_b, kb = _scale_index(offs_n, k0, B_COL_BLOCK, B_K_BLOCK)
             sa = tl.load(scale_a_ptr + rows_a * stride_sa_row + ka * stride_sa_k, mask=mask_m, other=1.0)
@@ -304,7 +342,7 @@ def fp8_gemm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    if not PER_K_SCALES:
+    if not PER_K_SCALES and not BLOCK_SCALED_MMA:
         acc = apply_scales(
             acc, offs_m, offs_n, mask_m, mask_n, scale_a_ptr, scale_b_ptr, stride_sa_row, stride_sb_col, A_ROW_BLOCK, B_COL_BLOCK
         )

@@ -15,6 +15,7 @@ import torch
 
 from fp8fx.core.epilogue import PLAIN, Epilogue
 from fp8fx.core.formats import fp8_format_of
+from fp8fx.core.recipes import MX_BLOCK
 
 _FP8_CONSTS = {  # FP8_MAX, MANTISSA_BITS, MIN_EXPONENT (of normal numbers)
     torch.float8_e4m3fn: (448.0, 3, -6),
@@ -88,6 +89,11 @@ class GemmVariant:
             MIN_EXPONENT=min_exp,
             FAST_ACCUM=self.fast_accum,
         )
+
+    @property
+    def mx(self) -> bool:
+        """MX (OCP Microscaling) blocks: 1 x 32 along K for A, 32 x 1 for B, power-of-two scales."""
+        return self.block_a == (1, MX_BLOCK) and self.block_b == (MX_BLOCK, 1)
 
     def with_epilogue(self, **changes) -> GemmVariant:
         return replace(self, epilogue=replace(self.epilogue, **changes))
@@ -200,6 +206,13 @@ CONFIGS: dict[tuple[str, str], tuple[TileConfig, ...]] = {
         TileConfig(128, 64, 128, 8, 8, 4, (("EPILOGUE_SUBTILE", 2),)),
     ),
     ("interpreter", "tma"): (TileConfig(32, 32, 32, 2, 1, 1, (("EPILOGUE_SUBTILE", 2),)),),
+    # MX GEMMs on Blackwell: the pointer kernel with block-scaled MMAs (BLOCK_SCALED_MMA), whole
+    # 128-wide K tiles (four E8M0 scales per row each); the interpreter runs the same kernel.
+    ("sm_100a", "mx"): (
+        TileConfig(128, 128, 128, 8, 8, 4, (("BLOCK_SCALED_MMA", True),)),
+        TileConfig(128, 64, 128, 8, 8, 4, (("BLOCK_SCALED_MMA", True),)),
+    ),
+    ("interpreter", "mx"): (TileConfig(32, 32, 64, 2, 1, 1, (("BLOCK_SCALED_MMA", True),)),),
 }
 # The grouped GEMM (fp8fx.codegen.grouped_kernel): pointer loads, persistent over the groups'
 # tiles. Mixture-of-experts groups are often a few hundred tokens, so smaller tiles follow the
@@ -282,6 +295,6 @@ def configs_for(target: str, variant: GemmVariant, family: str | None = None) ->
             c for c in configs if c.block_m * c.block_n <= 32 * 32 * c.num_warps * c.constexprs().get("EPILOGUE_SUBTILE", 1)
         )
     k_block = variant.k_block
-    if k_block:
+    if k_block and family != "mx":  # (block-scaled MMAs take the K-blocks' scales within a tile)
         configs = tuple(replace(c, block_k=math.gcd(c.block_k, k_block)) for c in configs)
     return configs
