@@ -115,7 +115,8 @@ def _gemm_kernel(variant: GemmVariant, arch: str, config: TileConfig, family: st
     aligned = ("N", "K", "stride_om", "stride_xm", "stride_rm", "stride_aux_m")  # N, K % 16: the policy's rule
     if family in ("pointer", "mx"):  # mx: the pointer kernel with block-scaled MMAs
         fn = fp8_gemm_kernel
-        constexprs = {"stride_ak": 1, "stride_bk": 1}
+        constexprs = {p.name: p.default for p in fn.params if p.has_default}  # what a config leaves unset
+        constexprs.update(stride_ak=1, stride_bk=1)
         pointers.update(a_ptr=_PTR[variant.a_dtype], b_ptr=_PTR[variant.b_dtype])
         aligned += ("stride_am", "stride_bn")
     elif family == "tma":
