@@ -131,6 +131,8 @@ def choose_kernel(kernels: str, variant: GemmVariant, shape: tuple, device: torc
     """(kernel, reason): "triton" (the generated kernel) or "scaled_mm" (`torch._scaled_mm`, then the
     epilogue as torch ops) for one FP8 GEMM of `shape` (m, n, k; m may be None when dynamic)."""
     if kernels == "scaled_mm":
+        if variant.mx and triton_available():  # (fp8fx.ops.cuda runs it there too: not a refusal)
+            return "triton", f"torch._scaled_mm cannot: {scaled_mm_supports(variant)} (kernels='scaled_mm' asked for it)"
         return "scaled_mm", "backend option kernels='scaled_mm'"
     if not triton_available():  # (kernels="triton" without Triton is refused by fp8fx.backend)
         return "scaled_mm", "Triton is not installed"

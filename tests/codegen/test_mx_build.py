@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8fx.codegen.dispatch import gemm_family
+from fp8fx.codegen.dispatch import choose_kernel, gemm_family
 from fp8fx.codegen.targets import build_all
 from fp8fx.codegen.variants import GemmVariant, configs_for
 from fp8fx.core.epilogue import Epilogue
@@ -44,3 +44,13 @@ def test_mx_gemms_take_block_scaled_mma_only_where_it_exists():
     assert gemm_family("sm_100a", blockwise) == "tma" and not blockwise.mx
     assert [c.block_k for c in configs_for("sm_100a", mx, "mx")] == [128, 128]
     assert {c.block_k for c in configs_for("sm_100a", mx, "tma")} == {32}  # promotion every MX block
+
+
+def test_mx_gemms_are_reported_in_the_kernel_that_runs_them():
+    """kernels="scaled_mm" cannot give an MX GEMM to torch._scaled_mm (it takes MX only as swizzled
+    E8M0 scales): the generated kernel runs it, and the report says so."""
+    cpu = torch.device("cpu")
+    kernel, reason = choose_kernel("scaled_mm", MX_VARIANTS[0], (64, 64, 64), cpu)
+    assert kernel == "triton" and "MX scale blocks" in reason and "kernels='scaled_mm'" in reason
+    assert choose_kernel("auto", MX_VARIANTS[0], (64, 64, 64), cpu)[0] == "triton"
+    assert choose_kernel("scaled_mm", GemmVariant(E4M3, E4M3, (1, 128), (128, 128)), (64, 64, 64), cpu)[0] == "scaled_mm"
