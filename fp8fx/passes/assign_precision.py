@@ -205,10 +205,11 @@ def _expert_vector_problem(site: MatmulSite, gemm: Gemm) -> str | None:
         return None
     if not any(parameter_stack_pick(x) for x in matmul_operands(fwd.node)[:2]):
         return None
+    vector = "N=1" if fwd.n == 1 else "M=1"
     return (
         f"one routed token per product: a batch of {fwd.batch} matrix-vector products of {fwd.m} x {fwd.k} by {fwd.k} x {fwd.n} "
-        "with each token's expert matrix (transformers' batched_mm experts), which no FP8 GEMM takes (N and K must be multiples "
-        "of 16); experts_implementation='grouped_mm' runs the experts as FP8 grouped GEMMs"
+        f"with each token's expert matrix (transformers' batched_mm experts); {vector}, and FP8 GEMMs need N and K % 16 == 0: "
+        "experts_implementation='grouped_mm' runs the experts as FP8 grouped GEMMs"
     )
 
 

@@ -36,7 +36,16 @@ fp8fx_ops = torch.ops.fp8fx
 aten = torch.ops.aten
 
 # Transposes of a 2-D tensor (a grouped GEMM's operand is cast on its root through them).
-_TRANSPOSES_2D = {aten.t.default, aten.transpose.int}
+_TRANSPOSES_2D = {aten.t.default, aten.transpose.int, aten.permute.default}
+
+
+def _swaps(view: fx.Node) -> int:
+    """1 when a view in `_TRANSPOSES_2D` of a 2-D tensor swaps its dimensions, else 0."""
+    if view.target is aten.permute.default:
+        return int([d % 2 for d in view.args[1]] == [1, 0])
+    if view.target is aten.transpose.int:
+        return int(view.args[1] % 2 != view.args[2] % 2)
+    return 1
 # Meta that identifies the replaced GEMM; carried over to the scaled_mm node.
 _CARRIED_META = ("seq_nr", "autograd_backward", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack", "stack_trace")
 
@@ -164,7 +173,7 @@ class _Inserter:
         root, chain = strip_layout(x)
         dim = scales.group_dim
         if all(v.target in _TRANSPOSES_2D for v in chain) and root.meta["val"].dim() == 2:
-            dim = (dim + len(chain)) % 2
+            dim = (dim + sum(_swaps(v) for v in chain)) % 2
         else:
             root, chain = self.replay(root, chain, gemm), []
         key = ("grouped", root, dim, scales.lines, spec, offs)
@@ -225,9 +234,9 @@ class _Inserter:
             self.graph.erase_node(gemm)
             return
         args = op_args(gemm)  # (input, weight, offs, grad_output) -> (grad_input, grad_weight)
-        with self.graph.inserting_before(gemm):
-            weight_t = self.add(aten.transpose.int, (args["weight"], -2, -1), tag_from=gemm)
-            input_t = self.add(aten.t.default, (args["input"],), tag_from=gemm)
+        with self.graph.inserting_before(gemm):  # permute: what Inductor lowers (t and transpose are decomposed before)
+            weight_t = self.add(aten.permute.default, (args["weight"], [0, 2, 1]), tag_from=gemm)
+            input_t = self.add(aten.permute.default, (args["input"], [1, 0]), tag_from=gemm)
         products = {"grad_input": (0, args["grad_output"], weight_t), "grad_weight": (1, input_t, args["grad_output"])}
         outputs = {user.args[1]: user for user in gemm.users if user.target is operator.getitem}
         kept, unread = [], []

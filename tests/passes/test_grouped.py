@@ -315,3 +315,22 @@ def test_moe_models_train_with_fp8_experts(name, impl):
         loss.backward()
         opt.step()
         assert torch.isfinite(loss)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mixtral_block_under_inductor(dtype):
+    # The passes run on Inductor's joint graph, whose views are already decomposed: the grouped
+    # lowering adds only ops Inductor lowers.
+    block = _tiny_mixtral().to(dtype).model.layers[0].mlp
+    reference = copy.deepcopy(block).float()
+    torch._dynamo.reset()
+    backend = fp8fx.backend(inner="inductor")
+    x = torch.randn(1, 8, 32, dtype=dtype, requires_grad=True)
+    out = torch.compile(block, backend=backend)(x)
+    out.float().square().sum().backward()
+    reference(x.detach().float()).square().sum().backward()
+    rows = [op for op in fp8fx.report(backend).ops if op.op == "grouped_mm"]
+    assert len(rows) == 6 and all(op.precision == "fp8" for op in rows)
+    assert sqnr(out.float(), reference(x.detach().float())) > OUTPUT_SQNR_DB
+    assert sqnr(block.experts.down_proj.grad.float(), reference.experts.down_proj.grad) > GRAD_SQNR_DB
