@@ -5,7 +5,8 @@ Two forms, told apart by K_GROUPED:
     2D-3D (tokens x experts):  out[rows of g] = a[rows of g] @ b[g]        a [M, K], b [G, K, N]
     2D-2D (weight gradient):   out[g] = a[:, ks of g] @ b[ks of g, :]      a [M, K], b [K, N]
 
-where group g's rows (2D-3D) or K-slice (2D-2D) run from offs[g - 1] (0 for g = 0) to offs[g].
+where group g's rows (2D-3D) or K-slice (2D-2D) run from offs[g - 1] (0 for g = 0) to offs[g];
+rows past offs[-1] (2D-3D) are zero, as in fp8fx's emulation (torch leaves them unwritten).
 Group sizes live on the device (a router decides them), so the host cannot count the tiles: the
 kernel is persistent, each program walking the groups and taking every num_programs-th tile of
 their concatenation. In 2D-3D a tile's rows stop at its group's end, in 2D-2D its K loop does;
@@ -134,3 +135,13 @@ def fp8_grouped_gemm_kernel(
             tile += tl.num_programs(0)
         first += tiles
         start = end
+    if not K_GROUPED:  # rows past the last group's end belong to none: zeros, as the emulation's
+        rows = M - start
+        while tile < first + tl.cdiv(rows, BLOCK_M) * tiles_n:
+            pid_m, pid_n = tile_position(tile - first, rows, N, BLOCK_M, BLOCK_N, GROUP_M)
+            local_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+            out_ptrs = out_ptr + (start.to(tl.int64) + local_m)[:, None] * stride_om + offs_n[None, :] * stride_on
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
+            tl.store(out_ptrs, zeros, mask=(local_m < rows)[:, None] & (offs_n < N)[None, :])
+            tile += tl.num_programs(0)

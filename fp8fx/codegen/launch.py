@@ -279,7 +279,7 @@ def grouped_fp8_gemm(
     [M, N]; scale_a [M] (rowwise) with scale_b [G, N], or per group scale_a [G] with scale_b [G].
     2D-2D: a [M, K], b [K, N], offs [G] (cumulative K ends) -> out [G, M, N]; scale_a [G, M] (or
     flat [G * M]) or [G], scale_b [G, N] (or [G * N]) or [G]. Rows of out past offs[-1] (2D-3D) are
-    not written, as in torch; K past offs[-1] (2D-2D) is not read. Any operand layout (copied when
+    zero (torch leaves them unwritten); K past offs[-1] (2D-2D) is not read. Any operand layout (copied when
     tensor cores cannot read it)."""
     device = _check_device({"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b, "offs": offs})
     if offs.dtype != torch.int32 or offs.dim() != 1:
@@ -305,7 +305,8 @@ def grouped_fp8_gemm(
         return out
     target = device_target(device)
     sms = _multiprocessors(device)
-    row_tiles = (lambda bm: groups * triton.cdiv(m, bm)) if k_grouped else (lambda bm: triton.cdiv(m, bm) + groups)
+    # 2D-3D: each group, and the rows past the last one, may end in a partial tile.
+    row_tiles = (lambda bm: groups * triton.cdiv(m, bm)) if k_grouped else (lambda bm: triton.cdiv(m, bm) + groups + 1)
 
     def grid(meta):  # an upper bound on the tiles (the group sizes are on the device), at most one program per SM
         return (min(sms, row_tiles(meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
