@@ -45,6 +45,9 @@ SEED = int(os.environ.get("FP8FX_GENERATED_SEED", "2026"))
 # Output SQNR against fp32 eager for FP8 with any recipe on these inputs: measured 18.9-41.2 dB
 # over 400 cases (bf16/fp16 models and autocast included); never above 60 (that would be no FP8).
 SQNR_WINDOW = (12.0, 60.0)
+# NVFP4 (FP4 E2M1, one mantissa bit): measured 9.2-53.0 dB over the 29 nvfp4 cases with a checked output
+# among 300 drawn with each of seeds 2026, 7 and 11.
+SQNR_WINDOW_NVFP4 = (7.0, 60.0)
 
 
 # ------------------------------------------------------------------------------------ models
@@ -261,7 +264,8 @@ def check_case(case: Case) -> None:
     if fp8_rows and case.values in ("normal", "tiny", "huge") and torch.isfinite(fp32_out).all():
         assert not torch.equal(out.float(), fp32_out), "bit-equal to fp32 eager: FP8 is not in use"
         db = sqnr(out.float(), fp32_out)
-        assert SQNR_WINDOW[0] <= db <= SQNR_WINDOW[1], f"output SQNR {db:.1f} dB vs fp32 eager"
+        low, high = SQNR_WINDOW_NVFP4 if case.recipe == "nvfp4" else SQNR_WINDOW
+        assert low <= db <= high, f"output SQNR {db:.1f} dB vs fp32 eager"
 
 
 @pytest.mark.parametrize("case", generate(CASES, SEED), ids=lambda c: c.id)
