@@ -24,6 +24,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from fp8fx.codegen.dispatch import choose_kernel
 from fp8fx.codegen.variants import GemmVariant
 from fp8fx.core.epilogue import Epilogue, activation_of
+from fp8fx.core.formats import Fp8Format
 from fp8fx.passes.annotation import Fusion, annotate, annotation, update_fusion
 from fp8fx.passes.graph_utils import DTYPE_CASTS, PassContext, PassResult, add_node, fake_mode_of, strip_layout
 
@@ -245,6 +246,8 @@ class _Fuser:
         k = a.meta["val"].shape[-1]
         shape = tuple(d if isinstance(d, int) else None for d in (m, n, k))
         kernel, kernel_reason = choose_kernel(self.kernels, variant, shape, out_val.device)
+        if _nvfp4(gemm):
+            kernel, kernel_reason = NVFP4_KERNEL
         with self.graph.inserting_before(at):
             flat = {}
             for key in ("other", "residual"):
@@ -312,6 +315,14 @@ def _amax_of(cast: fx.Node) -> fx.Node | None:
     return None
 
 
+# No GPU kernel takes NVFP4's FP4 operands yet (its casts refuse on CUDA): its GEMMs are emulated.
+NVFP4_KERNEL = ("emulated", "NVFP4 has no GPU kernel yet: emulated on CPU, refused on CUDA")
+
+
+def _nvfp4(gemm: fx.Node) -> bool:
+    return Fp8Format.NVFP4 in (annotation(gemm).decision.formats or ())
+
+
 def fuse_epilogues(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     gemms = [n for n in gm.graph.nodes if n.target == fp8fx_ops.scaled_mm.default and n.meta["val"].dim() == 2]
     for n in gm.graph.nodes:
@@ -319,7 +330,8 @@ def fuse_epilogues(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             batched = n.meta["val"].dim() != 2
             why = "batched GEMMs run unfused" if batched else "fuse_epilogues=False"
             stop = "batched GEMMs run unfused (torch's scaled-mm path)" if batched else None
-            update_fusion(n, kernel="scaled_mm", kernel_reason=f"{why}: torch._scaled_mm", stop=stop)
+            kernel, kernel_reason = NVFP4_KERNEL if _nvfp4(n) else ("scaled_mm", f"{why}: torch._scaled_mm")
+            update_fusion(n, kernel=kernel, kernel_reason=kernel_reason, stop=stop)
     if not ctx.fuse_epilogues or not gemms:
         return PassResult(gm, modified=False)
     fuser = _Fuser(gm, ctx.kernels)

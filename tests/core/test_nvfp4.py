@@ -297,6 +297,7 @@ def test_mlp_from_assets_trains_under_nvfp4_close_to_fp32():
         ("inner.0", "output"), ("inner.0", "grad_weight"), *((s, r) for s in ("inner.2",) for r in ("output", "grad_input", "grad_weight"))
     }  # fmt: skip
     assert all(op.formats == ("nvfp4", "nvfp4") and op.granularity == "nvfp4" for op in fp4_rows)
+    assert all(op.gpu_kernel == "emulated" and "NVFP4 has no GPU kernel yet" in op.gpu_kernel_reason for op in fp4_rows)
     blocks = {op.role: op.blocks for op in fp4_rows if op.site == "inner.2"}
     assert blocks == {"output": ((1, 16), (16, 16)), "grad_input": ((1, 16), (16, 16)), "grad_weight": ((1, 16), (16, 1))}
     assert all(op.precision == "high" and op.reason_kind == "shape" for op in report.find(site="inner.4"))
