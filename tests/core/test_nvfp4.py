@@ -129,6 +129,27 @@ def test_non_finite_values():
     assert scaling.nvfp4_tensor_scale_inv(torch.tensor(1e-44)).item() == torch.finfo(torch.float32).tiny
 
 
+@pytest.mark.parametrize("spread", [0.0, 3.0])
+def test_te_order_of_scale_arithmetic_differs_only_below_normal_block_scales(spread):
+    """TransformerEngine's reference quantizer multiplies by the global encode scale 448 * 6 / amax
+    where torchao (and fp8fx) divide by amax / (448 * 6). Written out here: the block scales and
+    elements agree wherever TE's block scale is a normal E4M3 value; TE keeps subnormal ones where
+    fp8fx clamps to 2**-6 (rows spread over 2**(3 N(0,1)) have such blocks, plain Gaussians none)."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(256, 512, generator=g) * torch.exp2(torch.randn(256, 1, generator=g) * spread)
+    amax, block_amax = x.abs().amax(), x.abs().reshape(256, 32, 16).amax(-1)
+    ours = scaling.nvfp4_block_scales(block_amax, scaling.nvfp4_tensor_scale_inv(amax))
+    global_encode = (448.0 * 6.0) / amax
+    te = (block_amax / 6.0 * global_encode).clamp(max=448.0).to(torch.float8_e4m3fn)
+    normal = te.float() >= 2.0**-6
+    assert torch.equal(ours.view(torch.uint8)[normal], te.view(torch.uint8)[normal])
+    assert (ours.float()[~normal] == 2.0**-6).all() and (normal.all() if spread == 0 else not normal.all())
+    ours_elements = fp4.round_e2m1(x * ((1.0 / scaling.nvfp4_tensor_scale_inv(amax)) / ours.float()).repeat_interleave(16, 1))
+    te_elements = fp4.round_e2m1(x * (1.0 / (te.float() * (1.0 / global_encode))).repeat_interleave(16, 1))
+    same = normal.repeat_interleave(16, 1)
+    assert torch.equal(ours_elements[same], te_elements[same])
+
+
 def test_weight_blocks_serve_both_orientations():
     """16x16 weight blocks: the cast of W^T is the transpose of the cast of W, so forward's and
     backward's weight casts are one quantization (TE's 2-D weights), each block scaled by its amax."""
