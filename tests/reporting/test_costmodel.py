@@ -390,6 +390,33 @@ def test_torchao_mxfp8_inference_b200(size):
     assert abs(error) <= TORCHAO_MXFP8_TOLERANCE, message
 
 
+# 5e. PUBLISHED.md section C: torchao's MXFP8 grouped GEMMs (forward, grad_input and the 2-D x 2-D
+# grad_weight of one expert layer) over bf16 torch._grouped_mm on B200, 128000 routed rows split
+# over G experts. Predicted: the three grouped GEMMs of the layer (rows spread evenly, as the model
+# takes them), their MX casts included. Tolerance 20%: the published speedups move by up to +-15%
+# with G and no trend the shapes explain (DSV3: 1.19, 1.32, 1.60, 1.44 for G = 1, 2, 4, 8), where
+# G changes nothing but how rows are cut into tiles; the model's are flat (Scout 1.52-1.57, DSV3
+# 1.32-1.37).
+TORCHAO_MXFP8_GROUPED = {
+    ("Llama4 Scout", 1): 1.808, ("Llama4 Scout", 2): 1.690, ("Llama4 Scout", 4): 1.637, ("Llama4 Scout", 8): 1.700,
+    ("DSV3", 1): 1.188, ("DSV3", 2): 1.321, ("DSV3", 4): 1.595, ("DSV3", 8): 1.440,
+}  # fmt: skip
+TORCHAO_MXFP8_GROUPED_SHAPES = {"Llama4 Scout": (128000, 8192, 5120), "DSV3": (128000, 2048, 7168)}  # M, N, K
+TORCHAO_MXFP8_GROUPED_TOLERANCE = 0.20
+
+
+@pytest.mark.parametrize("model,groups", list(TORCHAO_MXFP8_GROUPED))
+def test_torchao_mxfp8_grouped_gemm_b200(model, groups):
+    m, n, k = TORCHAO_MXFP8_GROUPED_SHAPES[model]
+    ops = [with_recipe(replace(op, op="grouped_mm", groups=groups), "mxfp8") for op in linear(m, k, n)]
+    b200 = gpu("b200")
+    bf16 = sum(predict(with_recipe(op, "bf16"), b200).bf16_us for op in ops)
+    predicted, published = bf16 / sum(predict(op, b200).fp8_us for op in ops), TORCHAO_MXFP8_GROUPED[model, groups]
+    error = relative_error(predicted, published)
+    message = f"{model} G={groups}: published {published}x, predicted {predicted:.3f}x, error {error:+.1%} (tolerance +-{TORCHAO_MXFP8_GROUPED_TOLERANCE:.0%})"
+    assert abs(error) <= TORCHAO_MXFP8_GROUPED_TOLERANCE, message
+
+
 # --- 6. Unit behaviour ------------------------------------------------------------------------------
 
 
