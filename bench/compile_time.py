@@ -2,11 +2,15 @@
 backend with the same inner compiler, each run in a fresh process.
 
 Run: python bench/compile_time.py [--only llama,gpt2,vit] [--inner eager|inductor|both]
+         [--recipes default,tensorwise,delayed,...] [--profile]
 Each (architecture, backend) pair runs one training step in its own process with Inductor's and
 AOTAutograd's caches off, after a one-Linear warm-up compile with the plain backend (toolchain
 probe, imports), so import and warm-up costs fall alike on both sides. The models are those of
 `bench/architectures.py` (hidden 64, 2 layers, random weights). Prints seconds per first step
-and fp8fx's ratio to the plain backend (the project's target: at most 1.15x with Inductor).
+and fp8fx's ratio to the plain backend (the project's target: at most 1.15x with Inductor), one row
+per named recipe in --recipes ("default": fp8fx's default policy). --profile adds where fp8fx's
+first step goes: Dynamo's tracing, fp8fx's passes, the delayed-scaling planning trace, and
+Inductor's forward / backward compiles and C++ builds (from `torch._dynamo.utils.compile_times`).
 """
 
 from __future__ import annotations
@@ -21,8 +25,31 @@ from pathlib import Path
 PLAIN = {"eager": "aot_eager", "inductor": "inductor"}
 
 
-def child(name: str, backend_name: str, inner: str) -> float:
-    """One first step in this process; returns its seconds."""
+# Phases reported by --profile: ours (timed around fp8fx's functions) and Dynamo's / Inductor's own.
+TORCH_PHASES = {
+    "dynamo trace": "bytecode_tracing",
+    "backend": "OutputGraph.call_user_compiler",
+    "inductor fw": "compile_fx.<locals>.fw_compiler_base",
+    "inductor bw": "compile_fx.<locals>.bw_compiler",
+    "c++/triton build": "compile_file",
+}
+
+
+def _timed(owner, attr: str, spent: dict, phase: str) -> None:
+    original = getattr(owner, attr)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent[phase] = spent.get(phase, 0.0) + time.perf_counter() - start
+
+    setattr(owner, attr, wrapper)
+
+
+def child(name: str, backend_name: str, inner: str, recipe: str) -> dict:
+    """One first step in this process: its seconds and, for fp8fx, the time of each phase."""
     import warnings
 
     import torch
@@ -44,40 +71,65 @@ def child(name: str, backend_name: str, inner: str) -> float:
     model_type, auto, overrides, kind = architectures.ARCHITECTURES[name]
     model = architectures.build(model_type, auto, overrides).train()
     inputs = architectures.make_inputs(kind, model.config)
-    backend = fp8fx.backend(inner=inner) if backend_name == "fp8fx" else PLAIN[inner]
+    spent: dict[str, float] = {}
+    if backend_name == "fp8fx":
+        from fp8fx.compiler import backend as fp8fx_backend
+
+        _timed(fp8fx_backend, "run_passes", spent, "fp8fx passes")
+        _timed(fp8fx_backend.Fp8fxBackend, "_plan_delayed_states", spent, "delayed planning")
+        policy = None if recipe == "default" else fp8fx.Policy.from_recipe(recipe)
+        if policy is not None and policy.uses_delayed_scaling:
+            fp8fx.prepare(model)
+        backend = fp8fx.backend(policy=policy, inner=inner)
+    else:
+        backend = PLAIN[inner]
     compiled = torch.compile(model, backend=backend)
+    torch._dynamo.utils.reset_frame_count()
     start = time.perf_counter()
     architectures.step(compiled, inputs)
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    times = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
+    torch_phases = dict(zip(times[0], times[1])) if times and len(times) == 2 else {}
+    for phase, key in TORCH_PHASES.items():
+        spent[phase] = float(torch_phases.get(key, 0.0))
+    return {"seconds": seconds, "phases": spent}
 
 
-def first_step(name: str, backend_name: str, inner: str) -> float:
+def first_step(name: str, backend_name: str, inner: str, recipe: str = "default") -> dict:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", name, backend_name, inner], check=False, capture_output=True, text=True
+        [sys.executable, __file__, "--child", name, backend_name, inner, recipe], check=False, capture_output=True, text=True
     )
     if out.returncode:
         last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise RuntimeError(f"{name} {backend_name} inner={inner}: {last}")
-    return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+        raise RuntimeError(f"{name} {backend_name} inner={inner} recipe={recipe}: {last}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="llama,gpt2,vit", help="comma-separated names from bench/architectures.py")
     parser.add_argument("--inner", default="both", choices=["eager", "inductor", "both"])
-    parser.add_argument("--child", nargs=3, metavar=("NAME", "BACKEND", "INNER"), help=argparse.SUPPRESS)
+    parser.add_argument("--recipes", default="default", help="comma-separated named recipes, or default (fp8fx's default policy)")
+    parser.add_argument("--profile", action="store_true", help="print where each fp8fx first step's time goes")
+    parser.add_argument("--child", nargs=4, metavar=("NAME", "BACKEND", "INNER", "RECIPE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps({"seconds": child(*args.child)}))
+        print(json.dumps(child(*args.child)))
         return
 
     inners = ["eager", "inductor"] if args.inner == "both" else [args.inner]
-    print(f"{'architecture':<13} {'inner':<9} {'plain s':>8} {'fp8fx s':>8} {'ratio':>6}")
+    print(f"{'architecture':<13} {'inner':<9} {'recipe':<14} {'plain s':>8} {'fp8fx s':>8} {'ratio':>6}")
     for name in args.only.split(","):
         for inner in inners:
-            plain = first_step(name, "plain", inner)
-            ours = first_step(name, "fp8fx", inner)
-            print(f"{name:<13} {inner:<9} {plain:>8.1f} {ours:>8.1f} {ours / plain:>6.2f}", flush=True)
+            plain = first_step(name, "plain", inner)["seconds"]
+            for recipe in args.recipes.split(","):
+                ours = first_step(name, "fp8fx", inner, recipe)
+                print(
+                    f"{name:<13} {inner:<9} {recipe:<14} {plain:>8.1f} {ours['seconds']:>8.1f} {ours['seconds'] / plain:>6.2f}",
+                    flush=True,
+                )
+                if args.profile:
+                    print("    " + ", ".join(f"{phase} {s:.2f}s" for phase, s in ours["phases"].items() if s), flush=True)
     print("target: fp8fx / plain <= 1.15 with inner=inductor")
 
 
