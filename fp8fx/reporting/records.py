@@ -66,6 +66,10 @@ class OpRecord:
     gpu_kernel: str | None = None
     gpu_kernel_reason: str | None = None
     fast_accum: bool | None = None
+    # NVFP4: whether the GEMM's gradient operand rounds stochastically, and whether both operands
+    # take the random Hadamard transform along K (the weight gradient's).
+    stochastic_rounding: bool | None = None
+    hadamard: bool | None = None
     epilogue: str | None = None
     fusion: str | None = None
     memory_passes_added: int | None = None
@@ -137,6 +141,8 @@ class OpRecord:
             gpu_kernel=fusion.kernel if fusion else None,
             gpu_kernel_reason=fusion.kernel_reason if fusion else None,
             fast_accum=decision.fast_accum if fp8 else None,
+            stochastic_rounding=decision.stochastic_rounding if fp8 else None,
+            hadamard=decision.hadamard if fp8 else None,
             epilogue=fusion.epilogue.spec() if fusion and fusion.epilogue else None,
             fusion=fusion.stop if fusion else None,
             memory_passes_added=fusion.memory_passes[0] if fusion and fusion.memory_passes else None,
@@ -193,11 +199,11 @@ def op_text(op: OpRecord) -> str:
 
 
 def _scaling_text(op: OpRecord) -> str:
-    """e.g. "dynamic tensorwise", "delayed h1024 max scale=224,57344"."""
+    """e.g. "dynamic tensorwise", "dynamic nvfp4 sr rht", "delayed h1024 max scale=224,57344"."""
     if op.precision != "fp8":
         return "-"
     if op.amax_history_len is None:
-        return f"{op.scaling} {op.granularity}"
+        return f"{op.scaling} {op.granularity}" + " sr" * bool(op.stochastic_rounding) + " rht" * bool(op.hadamard)
     text = f"delayed h{op.amax_history_len} {op.amax_compute_algo}"
     return text + (f" scale={op.scale[0]:.4g},{op.scale[1]:.4g}" if op.scale else "")
 

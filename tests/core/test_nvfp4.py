@@ -319,6 +319,10 @@ def test_mlp_from_assets_trains_under_nvfp4_close_to_fp32():
     }  # fmt: skip
     assert all(op.formats == ("nvfp4", "nvfp4") and op.granularity == "nvfp4" for op in fp4_rows)
     assert all(op.gpu_kernel == "emulated" and "NVFP4 has no GPU kernel yet" in op.gpu_kernel_reason for op in fp4_rows)
+    assert {(op.role, op.stochastic_rounding, op.hadamard) for op in fp4_rows} == {
+        ("output", False, False), ("grad_input", True, False), ("grad_weight", True, True)
+    }  # fmt: skip
+    assert "dynamic nvfp4 sr rht" in str(report)
     blocks = {op.role: op.blocks for op in fp4_rows if op.site == "inner.2"}
     assert blocks == {"output": ((1, 16), (16, 16)), "grad_input": ((1, 16), (16, 16)), "grad_weight": ((1, 16), (16, 1))}
     assert all(op.precision == "high" and op.reason_kind == "shape" for op in report.find(site="inner.4"))

@@ -40,7 +40,7 @@ LOADED = fp8fx.load_model_file(MODEL_FILE, real_weights=True)
 # Every field of a decision (OpRecord): what runs in FP8 and how.
 FIELDS = (
     "precision", "reason_kind", "operands", "formats", "scaling", "granularity", "blocks", "power_of_two_scales", "margin",
-    "amax_history_len", "amax_compute_algo", "interval", "fast_accum", "reason",
+    "amax_history_len", "amax_compute_algo", "interval", "fast_accum", "stochastic_rounding", "hadamard", "reason",
 )  # fmt: skip
 ONNX_FORMATS = {onnx.TensorProto.FLOAT8E4M3FN: "e4m3", onnx.TensorProto.FLOAT8E5M2: "e5m2"}
 
