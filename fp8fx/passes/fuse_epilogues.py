@@ -294,7 +294,7 @@ def _count_memory_passes(graph: fx.Graph) -> None:
         added = 0
         for i, operand in enumerate(node.args[:2]):
             cast, _ = strip_layout(operand)
-            if cast.target == fp8fx_ops.cast.default and cast not in charged:
+            if cast.target in (fp8fx_ops.cast.default, fp8fx_ops.cast_nvfp4.default) and cast not in charged:
                 charged.add(cast)
                 added += 1
                 amax = _amax_of(cast)
@@ -312,6 +312,8 @@ def _amax_of(cast: fx.Node) -> fx.Node | None:
     scale = cast.args[1]
     if isinstance(scale, fx.Node) and scale.target == fp8fx_ops.amax_to_scale.default:
         return scale.args[0]
+    if isinstance(scale, fx.Node) and scale.target == operator.getitem and scale.args[0].target == fp8fx_ops.nvfp4_scale.default:
+        return scale.args[0].args[0]  # NVFP4: (scale, scale_inv) from the block amaxes
     return None
 
 

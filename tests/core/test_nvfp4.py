@@ -323,6 +323,7 @@ def test_mlp_from_assets_trains_under_nvfp4_close_to_fp32():
         ("output", False, False), ("grad_input", True, False), ("grad_weight", True, True)
     }  # fmt: skip
     assert "dynamic nvfp4 sr rht" in str(report)
+    assert all(op.memory_passes_added >= 4 for op in fp4_rows)  # an amax and a cast pass per operand
     blocks = {op.role: op.blocks for op in fp4_rows if op.site == "inner.2"}
     assert blocks == {"output": ((1, 16), (16, 16)), "grad_input": ((1, 16), (16, 16)), "grad_weight": ((1, 16), (16, 1))}
     assert all(op.precision == "high" and op.reason_kind == "shape" for op in report.find(site="inner.4"))
