@@ -23,6 +23,7 @@ import random
 import re
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -32,7 +33,7 @@ from typer.testing import CliRunner
 import fp8fx
 from fp8fx import Policy, Rule
 from fp8fx.cli import app
-from fp8fx.core.recipes import RECIPES
+from fp8fx.core.recipes import MX_BLOCK, RECIPES
 
 MODEL_FILE = Path(__file__).parents[1] / "assets" / "blocks.py"
 LOADED = fp8fx.load_model_file(MODEL_FILE, real_weights=True)
@@ -99,7 +100,11 @@ DRAWN = _drawn()
 
 def sample(ids: list[str]) -> list:
     """The policies of `ids`, and those of the seeded sample marked slow."""
-    return [pytest.param(name, marks=[] if name in ids else [pytest.mark.slow], id=name) for name in POLICIES if name in ids or name in DRAWN]
+    return [
+        pytest.param(name, marks=[] if name in ids else [pytest.mark.slow], id=name)
+        for name in POLICIES
+        if name in ids or name in DRAWN
+    ]
 
 
 # ------------------------------------------------------------------------------ rows and comparing
@@ -182,7 +187,9 @@ def export_rows(result: fp8fx.ExportResult) -> dict[tuple[str, str], dict]:
         scale = inits[weight.input[1]]
         assert not inits[quantize.input[1]].dims, f"{site.site}: the activation's scale is not one static scale"
         row["formats"] = (ONNX_FORMATS[zero_point.data_type], ONNX_FORMATS[inits[weight.input[0]].data_type])
-        if attrs.get("block_size"):  # K x N weight, `block_size` rows of K per scale (a block's scale repeats over its columns)
+        if attrs.get("block_size") == MX_BLOCK and (np.frexp(onnx.numpy_helper.to_array(scale))[0] == 0.5).all():
+            row["granularity"], row["weight_block"] = "mx", (MX_BLOCK, 1)  # E8M0 values: powers of two per 32 of K
+        elif attrs.get("block_size"):  # K x N weight, `block_size` rows of K per scale (a block's scale repeats over its columns)
             row["granularity"], row["weight_block"] = "blockwise", attrs["block_size"]
         elif scale.dims:  # one scale per output channel: axis 1 of K x N
             assert attrs["axis"] == 1 and list(scale.dims) == [inits[weight.input[0]].dims[1]]
