@@ -63,6 +63,13 @@ def amax_to_scale(amax: Tensor, fp8_max: float, margin: int, power_of_two: bool)
     return scaling.amax_to_scale(amax, fp8_max, margin, power_of_two)
 
 
+def mx_scale(amax: Tensor, fp8_max: float, rounding: str) -> Tensor:
+    """MX's E8M0 block scales (powers of two) rounded with torchao's `rounding` ("floor" | "rceil"),
+    1 for a non-finite amax; see `fp8fx.core.scaling.mx_scale`. The graph uses it for floor, which
+    `amax_to_scale` cannot express."""
+    return scaling.mx_scale(amax, fp8_max, rounding)
+
+
 def cast(x: Tensor, scale: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:
     """Saturating cast of `x * scale` (scale per block) to the FP8 `dtype`."""
     check_block(block, "cast")

@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from fp8fx.core.formats import Fp8Format
-from fp8fx.core.recipes import AmaxComputeAlgo, Granularity, Precision, Scaling
+from fp8fx.core.recipes import AmaxComputeAlgo, Granularity, Precision, ScaleRounding, Scaling
 
 if TYPE_CHECKING:
     from fp8fx.codegen.variants import GemmVariant
@@ -59,6 +59,7 @@ class Decision:
     blocks: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # left, right scale blocks (see fp8fx.core.scaling)
     power_of_two: bool = False
     margin: int = 0
+    scale_rounding: ScaleRounding | None = None  # mx: how its E8M0 block scales are rounded (floor | rceil)
     delayed: DelayedSpec | None = None  # set when scaling is delayed
     fast_accum: bool = False  # Hopper's unpromoted FP8 accumulator for the whole K loop (policy fast_accum)
     stochastic_rounding: bool = False  # NVFP4: its grad_output operands are rounded stochastically

@@ -13,7 +13,7 @@ from torch import fx
 from fp8fx.core import grouped as grouped_scales
 from fp8fx.core.patterns import BY_KIND
 from fp8fx.core.policy import Policy, Settings
-from fp8fx.core.recipes import ALIGN, GEMM_ROLES, GRANULARITIES, Granularity, Hadamard, Precision, ScaleRounding, Scaling
+from fp8fx.core.recipes import ALIGN, GEMM_ROLES, GRANULARITIES, Granularity, Hadamard, Precision, Scaling
 from fp8fx.passes.annotation import Decision, DelayedSpec, GemmAnnotation, ReasonKind, annotate
 from fp8fx.passes.find_matmuls import (
     Gemm,
@@ -104,7 +104,10 @@ def _grouped_problem(node: fx.Node, offs: fx.Node, settings: Settings) -> tuple[
     if offs.meta["val"].dtype != torch.int32:
         return ReasonKind.DTYPE, f"group offsets of dtype {offs.meta['val'].dtype}; FP8 grouped GEMMs take int32 offsets"
     if settings.granularity is Granularity.NVFP4:
-        return ReasonKind.PATTERN, "NVFP4's two-level scales are not lowered for grouped GEMMs: a rule with op: [grouped_mm] and an FP8 recipe runs them in FP8"
+        return (
+            ReasonKind.PATTERN,
+            "NVFP4's two-level scales are not lowered for grouped GEMMs: a rule with op: [grouped_mm] and an FP8 recipe runs them in FP8",
+        )
     if settings.scaling is Scaling.DELAYED:
         return ReasonKind.PATTERN, (
             "delayed scaling keeps one scale per tensor and grouped GEMMs take one per group: "
@@ -240,13 +243,6 @@ def policy_decision(policy: Policy, names: tuple[str, ...], kind: str, role: str
         return high(*problem)
     settings = res.settings
     mx = settings.granularity is Granularity.MX
-    if mx and settings.scale_rounding is not ScaleRounding.RCEIL:
-        # The graph's amax_to_scale takes (fp8_max, margin, power_of_two); MX's rceil is exactly
-        # power_of_two with margin 0 (fp8fx.core.scaling.amax_to_scale), floor is not expressible.
-        raise ValueError(
-            f"fp8fx: {where}: scale_rounding {settings.scale_rounding.value} is not lowered into compiled graphs yet "
-            "(their amax_to_scale carries no rounding mode); use scale_rounding: rceil"
-        )
     return Decision(
         Precision.FP8,
         ReasonKind.POLICY,
@@ -258,6 +254,7 @@ def policy_decision(policy: Policy, names: tuple[str, ...], kind: str, role: str
         blocks=GRANULARITIES[settings.granularity].blocks(roles),
         power_of_two=settings.power_of_two_scales or mx,  # MX scales are E8M0: powers of two
         margin=settings.margin,
+        scale_rounding=settings.scale_rounding if mx else None,
         fast_accum=settings.fast_accum[role],
         stochastic_rounding=bool(settings.stochastic_rounding) and "grad_output" in roles,
         hadamard=settings.hadamard is Hadamard.WGRAD and role == "grad_weight",

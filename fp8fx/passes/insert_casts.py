@@ -25,7 +25,7 @@ from fp8fx.codegen.dispatch import grouped_launcher
 from fp8fx.core import grouped
 from fp8fx.core.formats import Fp8Format
 from fp8fx.core.grouped import OperandScales
-from fp8fx.core.recipes import AmaxComputeAlgo, Precision
+from fp8fx.core.recipes import AmaxComputeAlgo, Precision, ScaleRounding
 from fp8fx.passes.annotation import META_KEY, DelayedSpec, Fusion, ReasonKind, annotate, annotation, node_annotations, state_key
 from fp8fx.passes.find_matmuls import fused_backward, group_offsets, matmul_operands
 from fp8fx.passes.graph_utils import PassContext, PassResult, add_node, fake_mode_of, node_values, op_args, strip_layout
@@ -46,6 +46,8 @@ def _swaps(view: fx.Node) -> int:
     if view.target is aten.transpose.int:
         return int(view.args[1] % 2 != view.args[2] % 2)
     return 1
+
+
 # Meta that identifies the replaced GEMM; carried over to the scaled_mm node.
 _CARRIED_META = ("seq_nr", "autograd_backward", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack", "stack_trace")
 
@@ -68,6 +70,7 @@ class CastSpec:
     delayed: DelayedSpec | None
     stochastic: bool = False  # NVFP4: round to E2M1 stochastically
     hadamard_dim: int | None = None  # NVFP4: the contraction dim the random Hadamard transform runs along
+    floor: bool = False  # mx with scale_rounding floor (rceil is amax_to_scale's power of two with margin 0)
 
 
 class _Inserter:
@@ -96,8 +99,12 @@ class _Inserter:
             if spec.delayed is not None:
                 self.ctx.delayed_states[state_key] = spec.delayed.history_len
             state = self.ctx.delayed.states[state_key] if spec.delayed is not None and self.ctx.delayed is not None else None
-            if state is None:  # dynamic scaling (or planning a delayed-scaling compile)
-                scale = self.add(fp8fx_ops.amax_to_scale.default, (amax, fmt.max, spec.margin, spec.power_of_two), tag_from=tag_from)
+            if state is None and spec.floor:  # MX's floor rounding, which amax_to_scale cannot express
+                scale = self.add(fp8fx_ops.mx_scale.default, (amax, fmt.max, ScaleRounding.FLOOR.value), tag_from=tag_from)
+            elif state is None:  # dynamic scaling (or planning a delayed-scaling compile)
+                scale = self.add(
+                    fp8fx_ops.amax_to_scale.default, (amax, fmt.max, spec.margin, spec.power_of_two), tag_from=tag_from
+                )
             else:  # delayed: cast with the scale in use, then record this amax and update the state
                 scale = state[1]
                 d = spec.delayed
@@ -105,7 +112,15 @@ class _Inserter:
                     group = self.ctx.delayed.amax_group
                     amax = self.add(torch.ops._c10d_functional.all_reduce.default, (amax, "max", group), tag_from=tag_from)
                     amax = self.add(torch.ops._c10d_functional.wait_tensor.default, (amax,), tag_from=tag_from)
-                update_args = (*state, amax, fmt.max, spec.margin, spec.power_of_two, d.algo is AmaxComputeAlgo.MOST_RECENT, d.interval)
+                update_args = (
+                    *state,
+                    amax,
+                    fmt.max,
+                    spec.margin,
+                    spec.power_of_two,
+                    d.algo is AmaxComputeAlgo.MOST_RECENT,
+                    d.interval,
+                )
                 update = self.add(fp8fx_ops.delayed_scale_update.default, update_args, tag_from=tag_from)
                 new_state = [self.add(operator.getitem, (update, i), tag_from=tag_from) for i in range(len(state))]
             if self.ctx.taps.monitor is not None:  # the runtime monitor samples what this cast receives
@@ -203,7 +218,8 @@ class _Inserter:
                 offs = self.add(fp8fx_ops.pad_offsets.default, (offs, align), tag_from=gemm)
         quantized = []
         for side, x in enumerate((left, right)):
-            spec = CastSpec(d.formats[side], scales[side].block or (), d.power_of_two, d.margin, None)
+            floor = d.scale_rounding is ScaleRounding.FLOOR
+            spec = CastSpec(d.formats[side], scales[side].block or (), d.power_of_two, d.margin, None, floor=floor)
             if scales[side].per_group:
                 quantized.append(self.grouped_operand(x, scales[side], spec, offs, gemm))
             else:
@@ -266,13 +282,23 @@ class _Inserter:
         left, right, bias = matmul_operands(gemm)
         specs = [
             CastSpec(fmt, block, d.power_of_two, d.margin, d.delayed, d.stochastic_rounding and operand_role == "grad_output",
-                     (-1, -2)[i] if d.hadamard else None)
+                     (-1, -2)[i] if d.hadamard else None, d.scale_rounding is ScaleRounding.FLOOR)
             for i, (fmt, block, operand_role) in enumerate(zip(d.formats, d.blocks, d.operand_roles))
         ]  # fmt: skip
         keys = [state_key(ann.site, ann.role, operand_role) for operand_role in d.operand_roles]
         a, qa = self.operand(left, specs[0], gemm, keys[0])
         b, qb = self.operand(right, specs[1], gemm, keys[1])
-        args = (a, b, qa.scale_inv, qb.scale_inv, bias, gemm.meta["val"].dtype, list(d.blocks[0]), list(d.blocks[1]), d.fast_accum)
+        args = (
+            a,
+            b,
+            qa.scale_inv,
+            qb.scale_inv,
+            bias,
+            gemm.meta["val"].dtype,
+            list(d.blocks[0]),
+            list(d.blocks[1]),
+            d.fast_accum,
+        )
         with self.graph.inserting_before(gemm):
             new = self.add(fp8fx_ops.scaled_mm.default, args, tag_from=gemm)
         for key in _CARRIED_META:

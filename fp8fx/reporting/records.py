@@ -70,6 +70,7 @@ class OpRecord:
     # take the random Hadamard transform along K (the weight gradient's).
     stochastic_rounding: bool | None = None
     hadamard: bool | None = None
+    scale_rounding: str | None = None  # mx: how its E8M0 block scales are rounded (floor | rceil)
     epilogue: str | None = None
     fusion: str | None = None
     memory_passes_added: int | None = None
@@ -143,6 +144,7 @@ class OpRecord:
             fast_accum=decision.fast_accum if fp8 else None,
             stochastic_rounding=decision.stochastic_rounding if fp8 else None,
             hadamard=decision.hadamard if fp8 else None,
+            scale_rounding=decision.scale_rounding.value if fp8 and decision.scale_rounding else None,
             epilogue=fusion.epilogue.spec() if fusion and fusion.epilogue else None,
             fusion=fusion.stop if fusion else None,
             memory_passes_added=fusion.memory_passes[0] if fusion and fusion.memory_passes else None,
@@ -203,7 +205,8 @@ def _scaling_text(op: OpRecord) -> str:
     if op.precision != "fp8":
         return "-"
     if op.amax_history_len is None:
-        return f"{op.scaling} {op.granularity}" + " sr" * bool(op.stochastic_rounding) + " rht" * bool(op.hadamard)
+        floor = " floor" * (op.scale_rounding == "floor")  # rceil is mx's default
+        return f"{op.scaling} {op.granularity}{floor}" + " sr" * bool(op.stochastic_rounding) + " rht" * bool(op.hadamard)
     text = f"delayed h{op.amax_history_len} {op.amax_compute_algo}"
     return text + (f" scale={op.scale[0]:.4g},{op.scale[1]:.4g}" if op.scale else "")
 
@@ -241,7 +244,12 @@ class Report:
         from fp8fx.reporting import costmodel
 
         spec = costmodel.gpu(target) if isinstance(target, str) else target
-        new = Report([replace(op, predicted=costmodel.predict(op, spec)) for op in self.history], self.folded, self.non_gemm_bytes, self.saved_bytes)
+        new = Report(
+            [replace(op, predicted=costmodel.predict(op, spec)) for op in self.history],
+            self.folded,
+            self.non_gemm_bytes,
+            self.saved_bytes,
+        )
         new.saved_bytes_high_precision = self.saved_bytes_high_precision
         new.target, new.step = spec, costmodel.predict_step(self.ops, sum(self.non_gemm_bytes.values()), spec)
         return new
@@ -288,17 +296,23 @@ class Report:
             "gpu_kernels": dict(Counter(op.gpu_kernel for op in self.fp8_ops if op.gpu_kernel)),
             "memory_passes_added": sum(op.memory_passes_added or 0 for op in self.fp8_ops),
             "memory_passes_saved": sum(op.memory_passes_saved or 0 for op in self.fp8_ops),
-            "non_finite_amax_events": {op.site + "." + op.role: op.non_finite for op in self.ops if op.non_finite and any(op.non_finite)},
+            "non_finite_amax_events": {
+                op.site + "." + op.role: op.non_finite for op in self.ops if op.non_finite and any(op.non_finite)
+            },
             "saved_for_backward_bytes": sum(self.saved_bytes.values()) if self.saved_bytes is not None else None,
             "fp8_saved_activation_bytes": (
-                self.saved_bytes_high_precision - sum(self.saved_bytes.values()) if self.saved_bytes_high_precision is not None else None
+                self.saved_bytes_high_precision - sum(self.saved_bytes.values())
+                if self.saved_bytes_high_precision is not None
+                else None
             ),
             "target": self.target.name if self.target else None,
             "predicted_step_speedup": self.step.speedup if self.step else None,
             "predicted_gemm_speedup": self.step.gemm_speedup if self.step else None,
             "slower_in_fp8": sum(op.slower for op in self.fp8_ops) if self.step else None,
             "numerics_batches": max((op.numerics.batches for op in self.ops if op.numerics), default=None),
-            "min_sqnr_db": min((op.numerics.sqnr_db for op in self.fp8_ops if op.numerics and op.numerics.sqnr_db is not None), default=None),
+            "min_sqnr_db": min(
+                (op.numerics.sqnr_db for op in self.fp8_ops if op.numerics and op.numerics.sqnr_db is not None), default=None
+            ),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -366,7 +380,9 @@ class Report:
             )
         ]
         for index, op in sorted(self.superseded_graphs().items()):
-            lines.append(f"superseded: graph {index} (Dynamo {op.compile_id}, recompiled as {op.superseded_by}: {op.recompile_reason or 'reason not recorded'})")
+            lines.append(
+                f"superseded: graph {index} (Dynamo {op.compile_id}, recompiled as {op.superseded_by}: {op.recompile_reason or 'reason not recorded'})"
+            )
         if s["gpu_kernels"]:
             names = {
                 "triton": "by the generated Triton kernel",
@@ -380,7 +396,9 @@ class Report:
         if s["fallbacks_by_reason"]:
             lines.append("kept high: " + ", ".join(f"{k} {v}" for k, v in sorted(s["fallbacks_by_reason"].items())))
         if s["gemms_without_flops"]:
-            lines.append(f"{s['gemms_without_flops']} GEMM(s) of dynamic or unknown dimensions (FLOP % '?') are not in the FP8 shares")
+            lines.append(
+                f"{s['gemms_without_flops']} GEMM(s) of dynamic or unknown dimensions (FLOP % '?') are not in the FP8 shares"
+            )
         if s["non_finite_amax_events"]:
             lines.append("non-finite amax (scale kept): " + ", ".join(f"{k} {v}" for k, v in s["non_finite_amax_events"].items()))
         if s["folded_blocks"]:
@@ -388,7 +406,9 @@ class Report:
         if s["saved_for_backward_bytes"]:
             line = f"activations saved for backward: {mib(s['saved_for_backward_bytes'])}"
             if s["fp8_saved_activation_bytes"] is not None:
-                line += f" ({mib(s['saved_for_backward_bytes'] + s['fp8_saved_activation_bytes'])} with every GEMM in high precision)"
+                line += (
+                    f" ({mib(s['saved_for_backward_bytes'] + s['fp8_saved_activation_bytes'])} with every GEMM in high precision)"
+                )
             lines.append(line)
         if self.step:
             lines.append(
@@ -396,9 +416,15 @@ class Report:
                 f"{s['predicted_gemm_speedup']:.2f}x); {s['slower_in_fp8']} FP8 GEMM(s) predicted slower than BF16 (marked !)"
             )
         if s["numerics_batches"]:
-            worst = min((op for op in self.fp8_ops if op.numerics and op.numerics.sqnr_db is not None), key=lambda op: op.numerics.sqnr_db, default=None)
+            worst = min(
+                (op for op in self.fp8_ops if op.numerics and op.numerics.sqnr_db is not None),
+                key=lambda op: op.numerics.sqnr_db,
+                default=None,
+            )
             if worst is not None:
-                lines.append(f"numerics over {s['numerics_batches']} batch(es): lowest FP8 SQNR {worst.numerics.sqnr_db:.1f} dB at {worst.site}.{worst.role}")
+                lines.append(
+                    f"numerics over {s['numerics_batches']} batch(es): lowest FP8 SQNR {worst.numerics.sqnr_db:.1f} dB at {worst.site}.{worst.role}"
+                )
         return lines
 
     def table(self) -> str:

@@ -218,25 +218,50 @@ def test_scaled_mm_is_not_claimed_for_mx_blocks():
     assert scaled_mm_kind([1, 128], [128, 128]) == "blockwise"
 
 
-def test_compiled_mx_linear_matches_torchao():
-    """The compiled graph's MX GEMM (RCEIL) against torchao's dequantize-then-matmul."""
+@pytest.mark.parametrize("mode", MODES)
+def test_compiled_mx_linear_matches_torchao(mode):
+    """The compiled graph's MX GEMMs, forward and both backward ones, against torchao's
+    dequantize-then-matmul with the same scale rounding."""
     lin = nn.Linear(96, 64, bias=False)
-    x = torch.randn(32, 96, generator=torch.Generator().manual_seed(2)) * 3
-    cap = compile_captured(lin, Policy.from_recipe("mxfp8"))
-    with torch.no_grad():
-        out = cap.compiled(x)
-    ex, dx = to_mx(x, E4M3, 32, ScaleCalculationMode.RCEIL)
-    ew, dw = to_mx(lin.weight.detach(), E4M3, 32, ScaleCalculationMode.RCEIL)
-    x_dq, w_dq = to_dtype(dx, ex, E4M3, 32, torch.float32), to_dtype(dw, ew, E4M3, 32, torch.float32)
-    expected = x_dq @ w_dq.t()
-    assert ((out - expected).abs() <= 96 * 2.0**-23 * (x_dq.abs() @ w_dq.abs().t())).all()
+    g = torch.Generator().manual_seed(2)
+    # Scaled so that FLOOR and RCEIL pick different exponents for many blocks.
+    x, grad_out = torch.randn(32, 96, generator=g) * 3, torch.randn(32, 64, generator=g)
+    x.requires_grad_(True)
+    cap = compile_captured(lin, Policy.from_recipe("mxfp8", scale_rounding=mode))
+    out = cap.compiled(x)
+    out.backward(grad_out)
+    assert {op.scale_rounding for op in cap.report.fp8_ops} == {mode}
+
+    def mx(t):  # MX blocks of 32 along t's last dim, dequantized as torchao does
+        e, d = to_mx(t.detach().contiguous(), E4M3, 32, ScaleCalculationMode(mode))
+        return to_dtype(d, e, E4M3, 32, torch.float32)
+
+    w = lin.weight.detach()
+    # Each GEMM's operands blocked along its own K: forward K=96, grad_input K=64 (N of the
+    # forward), grad_weight K=32 (the tokens).
+    products = {
+        "output": (out, mx(x), mx(w)),
+        "grad_input": (x.grad, mx(grad_out), mx(w.t())),
+        "grad_weight": (lin.weight.grad, mx(grad_out.t()), mx(x.detach().t())),
+    }
+    for role, (got, a, b) in products.items():
+        expected = a @ b.t()
+        bound = a.shape[1] * 2.0**-23 * (a.abs() @ b.abs().t())
+        assert ((got.detach() - expected).abs() <= bound).all(), role
 
 
-def test_floor_is_refused_in_compiled_graphs():
-    """The graph's amax_to_scale carries no rounding mode: FLOOR is refused rather than run as RCEIL."""
-    cap = compile_captured(nn.Linear(64, 32), Policy.from_recipe("mxfp8", scale_rounding="floor"))
-    with pytest.raises(Exception, match="scale_rounding floor is not lowered into compiled graphs"):
-        cap.compiled(torch.randn(32, 64))
+def test_floor_and_rceil_differ_in_a_compiled_graph():
+    """FLOOR's scales are a power of two larger than RCEIL's for blocks whose amax is not E4M3's
+    max times a power of two: the same input gives other FP8 values."""
+    lin = nn.Linear(64, 32, bias=False)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    outs = {}
+    for mode in MODES:
+        with torch.no_grad():
+            outs[mode] = compile_captured(lin, Policy.from_recipe("mxfp8", scale_rounding=mode)).compiled(x)
+        torch._dynamo.reset()
+    assert not torch.equal(outs["floor"], outs["rceil"])
+    assert sqnr(outs["floor"], lin(x).detach()) > MX_OUTPUT_SQNR_DB
 
 
 # ---------------------------------------------------------------- recipe and policy
