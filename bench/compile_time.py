@@ -4,7 +4,7 @@ backend with the same inner compiler, each run in a fresh process.
 Run: python bench/compile_time.py [--only llama,gpt2,vit] [--inner eager|inductor|both]
          [--recipes default,tensorwise,delayed,...] [--profile]
 Each (architecture, backend) pair runs one training step in its own process with Inductor's and
-AOTAutograd's caches off, after a one-Linear warm-up compile with the plain backend (toolchain
+AOTAutograd's caches off and an empty Inductor / Triton cache directory (no C++ or Triton build reused), after a one-Linear warm-up compile with the plain backend (toolchain
 probe, imports), so import and warm-up costs fall alike on both sides. The models are those of
 `bench/architectures.py` (hidden 64, 2 layers, random weights). Prints seconds per first step
 and fp8fx's ratio to the plain backend (the project's target: at most 1.15x with Inductor), one row
@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -96,9 +98,15 @@ def child(name: str, backend_name: str, inner: str, recipe: str) -> dict:
 
 
 def first_step(name: str, backend_name: str, inner: str, recipe: str = "default") -> dict:
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", name, backend_name, inner, recipe], check=False, capture_output=True, text=True
-    )
+    with tempfile.TemporaryDirectory() as cache:  # no C++ or Triton build reused from an earlier process
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": cache}
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", name, backend_name, inner, recipe],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=env,
+        )
     if out.returncode:
         last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise RuntimeError(f"{name} {backend_name} inner={inner} recipe={recipe}: {last}")
