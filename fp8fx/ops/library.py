@@ -29,7 +29,6 @@ from fp8fx.ops import reference
 
 amax = custom_op("fp8fx::amax", reference.amax, mutates_args=())
 amax_to_scale = custom_op("fp8fx::amax_to_scale", reference.amax_to_scale, mutates_args=())
-mx_scale = custom_op("fp8fx::mx_scale", reference.mx_scale, mutates_args=())
 cast = custom_op("fp8fx::cast", reference.cast, mutates_args=())
 scaled_mm = custom_op("fp8fx::scaled_mm", reference.scaled_mm, mutates_args=())
 delayed_scale_update = custom_op("fp8fx::delayed_scale_update", reference.delayed_scale_update, mutates_args=())
@@ -71,12 +70,7 @@ def _(x: Tensor, block: list[int]) -> Tensor:
 
 
 @amax_to_scale.register_fake
-def _(amax: Tensor, fp8_max: float, margin: int, power_of_two: bool) -> Tensor:
-    return torch.empty_like(amax, dtype=torch.float32)
-
-
-@mx_scale.register_fake
-def _(amax: Tensor, fp8_max: float, rounding: str) -> Tensor:
+def _(amax: Tensor, fp8_max: float, margin: int, power_of_two: bool, rounding: str | None = None) -> Tensor:
     return torch.empty_like(amax, dtype=torch.float32)
 
 

@@ -54,20 +54,14 @@ def amax(x: Tensor, block: list[int]) -> Tensor:
     return scaling.block_amax(x, tuple(block))
 
 
-def amax_to_scale(amax: Tensor, fp8_max: float, margin: int, power_of_two: bool) -> Tensor:
+def amax_to_scale(amax: Tensor, fp8_max: float, margin: int, power_of_two: bool, rounding: str | None = None) -> Tensor:
     """`fp8_max / amax / 2**margin` (optionally rounded down to a power of two), 1 for a zero or non-finite amax.
 
     With `power_of_two` and margin 0 this is MX's RCEIL E8M0 scale (torchao's and cuBLAS's) for every
     nonzero amax above `fp8_max * 2**-127`, which is how the graph computes the scales of
-    granularity mx (see `fp8fx.core.scaling.amax_to_scale`)."""
-    return scaling.amax_to_scale(amax, fp8_max, margin, power_of_two)
-
-
-def mx_scale(amax: Tensor, fp8_max: float, rounding: str) -> Tensor:
-    """MX's E8M0 block scales (powers of two) rounded with torchao's `rounding` ("floor" | "rceil"),
-    1 for a non-finite amax; see `fp8fx.core.scaling.mx_scale`. The graph uses it for floor, which
-    `amax_to_scale` cannot express."""
-    return scaling.mx_scale(amax, fp8_max, rounding)
+    granularity mx; `rounding` "floor" gives MX's FLOOR scales instead (see
+    `fp8fx.core.scaling.amax_to_scale`)."""
+    return scaling.amax_to_scale(amax, fp8_max, margin, power_of_two, rounding)
 
 
 def cast(x: Tensor, scale: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:

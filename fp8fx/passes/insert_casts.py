@@ -70,7 +70,13 @@ class CastSpec:
     delayed: DelayedSpec | None
     stochastic: bool = False  # NVFP4: round to E2M1 stochastically
     hadamard_dim: int | None = None  # NVFP4: the contraction dim the random Hadamard transform runs along
-    floor: bool = False  # mx with scale_rounding floor (rceil is amax_to_scale's power of two with margin 0)
+    rounding: str | None = None  # mx's floor rounding; rceil is amax_to_scale's power of two with margin 0
+
+
+def _rounding(d) -> str | None:
+    """The rounding a cast's amax_to_scale takes: MX's floor; None otherwise (rceil is its power of
+    two with margin 0, which keeps a zero block's scale at 1)."""
+    return ScaleRounding.FLOOR.value if d.scale_rounding is ScaleRounding.FLOOR else None
 
 
 class _Inserter:
@@ -99,12 +105,9 @@ class _Inserter:
             if spec.delayed is not None:
                 self.ctx.delayed_states[state_key] = spec.delayed.history_len
             state = self.ctx.delayed.states[state_key] if spec.delayed is not None and self.ctx.delayed is not None else None
-            if state is None and spec.floor:  # MX's floor rounding, which amax_to_scale cannot express
-                scale = self.add(fp8fx_ops.mx_scale.default, (amax, fmt.max, ScaleRounding.FLOOR.value), tag_from=tag_from)
-            elif state is None:  # dynamic scaling (or planning a delayed-scaling compile)
-                scale = self.add(
-                    fp8fx_ops.amax_to_scale.default, (amax, fmt.max, spec.margin, spec.power_of_two), tag_from=tag_from
-                )
+            if state is None:  # dynamic scaling (or planning a delayed-scaling compile)
+                args = (amax, fmt.max, spec.margin, spec.power_of_two, spec.rounding)
+                scale = self.add(fp8fx_ops.amax_to_scale.default, args, tag_from=tag_from)
             else:  # delayed: cast with the scale in use, then record this amax and update the state
                 scale = state[1]
                 d = spec.delayed
@@ -218,8 +221,7 @@ class _Inserter:
                 offs = self.add(fp8fx_ops.pad_offsets.default, (offs, align), tag_from=gemm)
         quantized = []
         for side, x in enumerate((left, right)):
-            floor = d.scale_rounding is ScaleRounding.FLOOR
-            spec = CastSpec(d.formats[side], scales[side].block or (), d.power_of_two, d.margin, None, floor=floor)
+            spec = CastSpec(d.formats[side], scales[side].block or (), d.power_of_two, d.margin, None, rounding=_rounding(d))
             if scales[side].per_group:
                 quantized.append(self.grouped_operand(x, scales[side], spec, offs, gemm))
             else:
@@ -282,7 +284,7 @@ class _Inserter:
         left, right, bias = matmul_operands(gemm)
         specs = [
             CastSpec(fmt, block, d.power_of_two, d.margin, d.delayed, d.stochastic_rounding and operand_role == "grad_output",
-                     (-1, -2)[i] if d.hadamard else None, d.scale_rounding is ScaleRounding.FLOOR)
+                     (-1, -2)[i] if d.hadamard else None, _rounding(d))
             for i, (fmt, block, operand_role) in enumerate(zip(d.formats, d.blocks, d.operand_roles))
         ]  # fmt: skip
         keys = [state_key(ann.site, ann.role, operand_role) for operand_role in d.operand_roles]
