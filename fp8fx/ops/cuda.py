@@ -187,16 +187,22 @@ def _rowwise_scales(s: Tensor, spec: grouped.OperandScales, form: str, side: int
     and [G, N] (right), 2-D x 2-D [G, M] and [G, N]; a group's (or matrix's) one scale repeated."""
     groups = offs.shape[0]
     if form == "2d-3d" and side == 0:
-        if not spec.per_group:
-            return s.reshape(-1)
-        return torch.cat([s, s.new_ones(1)])[reference._group_ids(offs, x.shape[0])]
+        return reference.per_index(s, offs, x.shape[0]) if spec.per_group else s.reshape(-1)
     lines = x.shape[-1] if side == 1 else x.shape[0]  # N of the right operand, M of the left one
     return s.reshape(groups, -1).expand(groups, lines).contiguous()
 
 
+def _line_scales(a, b, scale_inv_a, scale_inv_b, offs, form, scales) -> tuple[Tensor, Tensor]:
+    """Both operands' scale inverses as the grouped kernels take them (`_rowwise_scales`)."""
+    return tuple(
+        _rowwise_scales(s, spec, form, side, x, offs)
+        for side, (s, spec, x) in enumerate(zip((scale_inv_a, scale_inv_b), scales, (a, b)))
+    )
+
+
 def _grouped_triton(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, form, scales, fast_accum) -> Tensor:
     """The generated grouped kernel (GPUs, and CPU tensors under Triton's interpreter)."""
-    sa, sb = (_rowwise_scales(s, spec, form, side, x, offs) for side, (s, spec, x) in enumerate(zip((scale_inv_a, scale_inv_b), scales, (a, b))))
+    sa, sb = _line_scales(a, b, scale_inv_a, scale_inv_b, offs, form, scales)
     return grouped_launcher()(a, b, sa, sb, offs, out_dtype, fast_accum=fast_accum)
 
 
@@ -220,7 +226,7 @@ def fp8_grouped_mm_cuda(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, block_a
         return reference.fp8_grouped_mm(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, block_a, block_b, fast_accum)
     if kernel == "triton":
         return _grouped_triton(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, form, scales, fast_accum)
-    sa, sb = (_rowwise_scales(s, spec, form, side, x, offs) for side, (s, spec, x) in enumerate(zip((scale_inv_a, scale_inv_b), scales, (a, b))))
+    sa, sb = _line_scales(a, b, scale_inv_a, scale_inv_b, offs, form, scales)
     rows = a.shape[0]
     if form == "2d-3d":
         a, sa = reference.pad_groups(a, offs, 0, ALIGN), reference.pad_groups(sa[:, None], offs, 0, ALIGN)[:, 0]

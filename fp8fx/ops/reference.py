@@ -218,6 +218,12 @@ def _group_ids(offs: Tensor, extent: int) -> Tensor:
     return torch.searchsorted(offs, torch.arange(extent, device=offs.device, dtype=offs.dtype), right=True)
 
 
+def per_index(values: Tensor, offs: Tensor, extent: int) -> Tensor:
+    """`values` ([G, ...], one entry per group) looked up for each of the `extent` indices along the
+    grouped dimension; 1 for an index of no group."""
+    return torch.cat([values, torch.ones_like(values[:1])])[_group_ids(offs, extent)]
+
+
 def _rows(x: Tensor, dim: int) -> Tensor:
     """`x` with its grouped dimension first."""
     return x if dim == 0 else x.transpose(0, 1)
@@ -238,10 +244,8 @@ def grouped_cast(x: Tensor, scale: Tensor, offs: Tensor, dim: int, dtype: torch.
     """Saturating cast of `x * scale` to `dtype` with one scale per group along `dim` (`scale` [G]),
     or per row (column) within each group ([G, x.shape[1 - dim]]); what no group holds gets scale 1."""
     rows = _rows(x, dim)
-    ids = _group_ids(offs, rows.shape[0])
-    per_group = scale.reshape(scale.shape[0], -1)  # [G, 1] or [G, lines]
-    table = torch.cat([per_group, torch.ones_like(per_group[:1])])
-    out = saturating_cast(rows.to(torch.float32) * table[ids], fp8_format_of(dtype))
+    per_row = per_index(scale.reshape(scale.shape[0], -1), offs, rows.shape[0])  # [G, 1] or [G, lines] per row
+    out = saturating_cast(rows.to(torch.float32) * per_row, fp8_format_of(dtype))
     return _rows(out, dim).contiguous()
 
 
