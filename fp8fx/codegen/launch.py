@@ -22,16 +22,19 @@ from fp8fx.codegen.triton_kernels import amax_kernel, fp8_gemm_kernel, quantize_
 from fp8fx.codegen.variants import (
     GRID_LIMITS,
     GROUPED_CONFIGS,
+    NVFP4_CONFIGS,
     GemmVariant,
     GroupedVariant,
     QuantizeVariant,
     TileConfig,
     configs_for,
     device_target,
+    nvfp4_blocks,
 )
+from fp8fx.core import fp4
 from fp8fx.core.epilogue import PLAIN, Epilogue
 from fp8fx.core.formats import fp8_format_of
-from fp8fx.core.scaling import scale_shape
+from fp8fx.core.scaling import NVFP4_E4M3_MAX, scale_shape
 
 ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned bases and row strides; vector loads like them too
 INTERPRETER_SMS = 3  # "SMs" a persistent kernel spreads over under the interpreter (exercises its tile loop)
@@ -232,6 +235,114 @@ def _config_of(meta: dict) -> TileConfig:
 def _operand_strides(a: Tensor, bt: Tensor, family: str) -> tuple:
     # The pointer kernel reads b as [K, N] with strides (1, row stride of bt); the TMA kernel gets descriptors.
     return (a.stride(0), a.stride(1), bt.stride(1), bt.stride(0)) if family != "tma" else ()
+
+
+@functools.cache
+def nvfp4_autotuner(target: str):
+    """The NVFP4 GEMM's autotuner on one target (Blackwell, or the interpreter), keyed as the FP8 GEMM's."""
+    from fp8fx.codegen.nvfp4_kernel import nvfp4_gemm_kernel
+
+    if target not in NVFP4_CONFIGS:
+        raise RuntimeError(
+            f"fp8fx: NVFP4 GEMMs run on Blackwell's FP4 tensor cores (sm_100a) only; this GPU is {target}. "
+            "Use an FP8 recipe (tensorwise, rowwise, blockwise, mxfp8) here"
+        )
+    if target == "interpreter":
+        _interpreter_reads_e4m3_scales()
+    configs = [triton.Config(c.constexprs(), num_warps=c.num_warps, num_stages=c.num_stages) for c in NVFP4_CONFIGS[target]]
+    return triton.autotune(configs=configs, key=["M_BUCKET", "N", "K_BYTES"])(nvfp4_gemm_kernel)
+
+
+def _interpreter_reads_e4m3_scales() -> None:
+    """Triton 3.9's interpreter decodes every `dot_scaled` scale as E8M0 (MX's) whatever its type;
+    Blackwell's NVFP4 MMA reads E4M3 scales. Make the interpreter decode E4M3-typed scales as E4M3
+    (its other scales unchanged), so the NVFP4 kernel runs on CPU tensors as it does on a GPU."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    decode = getattr(interpreter, "_dot_scaled_scale_to_f32", None)
+    if decode is None:
+        raise RuntimeError(
+            "fp8fx: this Triton's interpreter has no dot_scaled scale decoder to extend; NVFP4 kernels cannot run under it"
+        )
+    if getattr(decode, "fp8fx_e4m3", False):
+        return
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).numpy()
+
+    def decode_e4m3_too(scale_handle, compute_type):
+        if scale_handle.dtype == triton.language.float8e4nv:
+            return values[scale_handle.data.view(np.uint8)]
+        return decode(scale_handle, compute_type)
+
+    decode_e4m3_too.fp8fx_e4m3 = True
+    interpreter._dot_scaled_scale_to_f32 = decode_e4m3_too
+
+
+def _nvfp4_scales(scale_inv: Tensor, block: tuple, lines: int, k_scales: int, per_row: bool) -> tuple[Tensor, Tensor]:
+    """(E4M3 block scales [lines, k_scales], per-tensor fp32 scale) of one operand's fp32 NVFP4
+    scale inverses (`fp8fx.core.scaling.nvfp4_scales`: tensor scale x E4M3 block scale). The
+    largest block scale is E4M3's 448, so the tensor scale is the largest scale inverse / 448,
+    and each block's quotient rounds back to its E4M3 scale exactly (2**-23 off it, E4M3 steps
+    are 2**-3). Blocks of 16 lines are repeated per line; K blocks past the data are zero."""
+    largest = scale_inv.amax() if scale_inv.numel() else scale_inv.new_zeros(())
+    tensor_scale = torch.where(largest > 0, largest / NVFP4_E4M3_MAX, torch.ones_like(largest)).to(torch.float32)
+    codes = (scale_inv / tensor_scale).to(torch.float8_e4m3fn)
+    line_block = block[0] if per_row else block[1]
+    codes = codes if per_row else codes.t()  # [lines / line_block, K blocks]
+    if line_block != 1:
+        codes = codes.view(torch.uint8).repeat_interleave(line_block, dim=0)[:lines].view(torch.float8_e4m3fn)
+    codes = torch.nn.functional.pad(codes.view(torch.uint8), (0, k_scales - codes.shape[1])).view(torch.float8_e4m3fn)
+    return codes.contiguous(), tensor_scale.reshape(1)
+
+
+def nvfp4_gemm(
+    a: Tensor,
+    b: Tensor,
+    scale_inv_a: Tensor,
+    scale_inv_b: Tensor,
+    *,
+    block_a: tuple = (1, 16),
+    block_b: tuple = (16, 16),
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """`(a * scale_inv_a) @ (b * scale_inv_b)` for NVFP4 operands, on FP4 tensor cores.
+
+    a: [M, K], b: [K, N], E2M1 values in their E4M3 carrier (`fp8fx.core.fp4`), any strides;
+    scale_inv_*: fp32 per block as `fp8fx::nvfp4_scale` makes them, blocks 1 x 16 or 16 x 16 (A),
+    16 x 1 or 16 x 16 (B). Operands are packed to FP4 and the scales split into E4M3 block scales
+    and a tensor scale here, then one kernel runs (Blackwell, or the interpreter on CPU)."""
+    block_a, block_b = tuple(block_a), tuple(block_b)
+    device = _check_device({"a": a, "b": b, "scale_inv_a": scale_inv_a, "scale_inv_b": scale_inv_b})
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"fp8fx NVFP4 GEMM: needs 2-D [M, K] @ [K, N], got {tuple(a.shape)} @ {tuple(b.shape)}")
+    if a.dtype != fp4.CARRIER or b.dtype != fp4.CARRIER:
+        raise ValueError(f"fp8fx NVFP4 GEMM: operands must hold E2M1 values in {fp4.CARRIER}, got {a.dtype} and {b.dtype}")
+    if not nvfp4_blocks(block_a, block_b):
+        raise ValueError(
+            f"fp8fx NVFP4 GEMM: blocks must be (1, 16) or (16, 16) for A and (16, 1) or (16, 16) for B, got {block_a} x {block_b}"
+        )
+    (m, k), n = a.shape, b.shape[1]
+    for name, s, shape, block in (("scale_inv_a", scale_inv_a, a.shape, block_a), ("scale_inv_b", scale_inv_b, b.shape, block_b)):
+        if s.dtype != torch.float32 or tuple(s.shape) != tuple(scale_shape(shape, block)):
+            raise ValueError(
+                f"fp8fx NVFP4 GEMM: {name} must be fp32 of shape {tuple(scale_shape(shape, block))} for block {block}, got {s.dtype} {tuple(s.shape)}"
+            )
+    kernel = nvfp4_autotuner(device_target(device))
+    out = torch.empty((m, n), dtype=out_dtype, device=device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    packed_a, packed_bt = rows_aligned(fp4.pack_e2m1(a)), rows_aligned(fp4.pack_e2m1(b.t()))  # [M, K/2], [N, K/2]
+    k_scales = packed_a.shape[1] // 8
+    sa, tensor_a = _nvfp4_scales(scale_inv_a, block_a, m, k_scales, per_row=True)
+    sb, tensor_b = _nvfp4_scales(scale_inv_b, block_b, n, k_scales, per_row=False)
+    kernel[lambda meta: gemm_grid(m, n, _config_of(meta), "pointer", 0)](
+        packed_a, packed_bt, out, sa, sb, tensor_a, tensor_b, m, n, packed_a.shape[1], k_scales, m_bucket(m),
+        packed_a.stride(0), packed_a.stride(1), packed_bt.stride(0), packed_bt.stride(1), out.stride(0), out.stride(1),
+        sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
+    )  # fmt: skip
+    return out
 
 
 @functools.cache

@@ -37,6 +37,8 @@ FP8_MMA = {
 }
 # MX GEMMs on Blackwell (family mx): the block-scaled MMA, E8M0 scales per 32 elements of K.
 BLOCK_SCALED_MMA = re.compile(r"tcgen05\.mma\.\S*kind::mxf8f6f4\.block_scale\S*")
+# NVFP4 GEMMs on Blackwell: the FP4 block-scaled MMA, E4M3 scales per 16 elements of K.
+NVFP4_MMA = re.compile(r"tcgen05\.mma\.\S*kind::mxf4nvf4\.block_scale\.block16")
 _PTR = {
     torch.float8_e4m3fn: "*fp8e4nv",
     torch.float8_e5m2: "*fp8e5",
@@ -171,6 +173,22 @@ def build_quantize(variant: QuantizeVariant, arch: str) -> BuildResult:
     return _result(variant.name, arch, config, kernel, None, "quantize")
 
 
+def build_nvfp4(arch: str, config: TileConfig, out_dtype: torch.dtype = torch.bfloat16) -> BuildResult:
+    """The NVFP4 GEMM (`nvfp4_kernel.nvfp4_gemm_kernel`) built for one arch and config, in the
+    launcher's layout: packed operands and E4M3 scales K-contiguous, output row-major."""
+    from fp8fx.codegen.nvfp4_kernel import nvfp4_gemm_kernel as fn
+
+    pointers = {
+        "a_ptr": "*u8", "b_ptr": "*u8", "out_ptr": _PTR[out_dtype], "scale_a_ptr": "*fp8e4nv", "scale_b_ptr": "*fp8e4nv",
+        "tensor_scale_a_ptr": "*fp32", "tensor_scale_b_ptr": "*fp32",
+    }  # fmt: skip
+    constexprs = {**config.constexprs(), "stride_ak": 1, "stride_bk": 1, "stride_on": 1, "stride_sa_k": 1, "stride_sb_k": 1}
+    signature = _signature(fn, pointers, constexprs)
+    aligned = ("N", "K_BYTES", "stride_am", "stride_bn", "stride_om")
+    kernel = _compile(fn, signature, constexprs, arch, config.num_warps, config.num_stages, aligned)
+    return _result(f"nvfp4_gemm_{_PTR[out_dtype][1:]}", arch, config, kernel, NVFP4_MMA, "nvfp4")
+
+
 def _grouped_kernel(variant: GroupedVariant, arch: str, config: TileConfig):
     from fp8fx.codegen.grouped_kernel import fp8_grouped_gemm_kernel as fn
 
@@ -274,6 +292,7 @@ __all__ = [
     "build_all",
     "build_gemm",
     "build_grouped",
+    "build_nvfp4",
     "build_quantize",
     "coverage_variants",
     "families_of",

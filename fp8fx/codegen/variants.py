@@ -15,7 +15,7 @@ import torch
 
 from fp8fx.core.epilogue import PLAIN, Epilogue
 from fp8fx.core.formats import fp8_format_of
-from fp8fx.core.recipes import MX_BLOCK
+from fp8fx.core.recipes import MX_BLOCK, NVFP4_BLOCK
 
 _FP8_CONSTS = {  # FP8_MAX, MANTISSA_BITS, MIN_EXPONENT (of normal numbers)
     torch.float8_e4m3fn: (448.0, 3, -6),
@@ -95,8 +95,21 @@ class GemmVariant:
         """MX (OCP Microscaling) blocks: 1 x 32 along K for A, 32 x 1 for B, power-of-two scales."""
         return self.block_a == (1, MX_BLOCK) and self.block_b == (MX_BLOCK, 1)
 
+    @property
+    def nvfp4(self) -> bool:
+        """NVFP4 blocks: 16 along K (1 x 16 for activations, 16 x 16 for weights), E4M3 scales."""
+        return nvfp4_blocks(self.block_a, self.block_b)
+
     def with_epilogue(self, **changes) -> GemmVariant:
         return replace(self, epilogue=replace(self.epilogue, **changes))
+
+
+def nvfp4_blocks(block_a, block_b) -> bool:
+    """Whether scale blocks `block_a` x `block_b` are NVFP4's (16 along K; weights 16 x 16)."""
+    return tuple(block_a) in ((1, NVFP4_BLOCK), (NVFP4_BLOCK, NVFP4_BLOCK)) and tuple(block_b) in (
+        (NVFP4_BLOCK, 1),
+        (NVFP4_BLOCK, NVFP4_BLOCK),
+    )
 
 
 @dataclass(frozen=True)
@@ -213,6 +226,12 @@ CONFIGS: dict[tuple[str, str], tuple[TileConfig, ...]] = {
         TileConfig(128, 64, 128, 8, 8, 4, (("BLOCK_SCALED_MMA", True),)),
     ),
     ("interpreter", "mx"): (TileConfig(32, 32, 64, 2, 1, 1, (("BLOCK_SCALED_MMA", True),)),),
+}
+# The NVFP4 GEMM (fp8fx.codegen.nvfp4_kernel): Blackwell only (FP4 tensor cores), and the
+# interpreter. BLOCK_K counts FP4 elements: 256 is 128 bytes of each operand row per step.
+NVFP4_CONFIGS: dict[str, tuple[TileConfig, ...]] = {
+    "sm_100a": (TileConfig(128, 128, 256, 8, 4, 3), TileConfig(128, 64, 256, 8, 4, 3), TileConfig(128, 128, 128, 8, 4, 4)),
+    "interpreter": (TileConfig(32, 32, 64, 2, 1, 1),),
 }
 # The grouped GEMM (fp8fx.codegen.grouped_kernel): pointer loads, persistent over the groups'
 # tiles. Mixture-of-experts groups are often a few hundred tokens, so smaller tiles follow the

@@ -61,6 +61,31 @@ def e2m1_codes(values: Tensor) -> Tensor:
     return code | (torch.signbit(v).to(torch.uint8) << 3)
 
 
+def _code_of_carrier_byte() -> Tensor:
+    """The E2M1 code of each of the 256 carrier (E4M3) bytes; bytes that are not E2M1 values map to
+    the code of their value clamped to +-6 and truncated to the grid below 2 (never produced by
+    fp8fx's casts, which write E2M1 values only)."""
+    values = torch.arange(256, dtype=torch.uint8).view(CARRIER).to(torch.float32)
+    return e2m1_codes(torch.nan_to_num(round_e2m1(values)))
+
+
+_CARRIER_TO_CODE = _code_of_carrier_byte()
+
+
+def pack_e2m1(values: Tensor) -> Tensor:
+    """Carrier tensor [R, K] (E2M1 values in E4M3) -> uint8 [R, ceil(K / 32) * 16]: two E2M1 codes per
+    byte along K, the even element in the low nibble (how Blackwell's FP4 MMA and Triton's
+    `dot_scaled` read `e2m1`), K zero-padded to a multiple of 32. One table lookup per element."""
+    if values.dtype != CARRIER or values.dim() != 2:
+        raise ValueError(
+            f"fp8fx pack_e2m1: needs a 2-D {CARRIER} tensor of E2M1 values, got {values.dtype} {tuple(values.shape)}"
+        )
+    k = values.shape[1]
+    codes = _CARRIER_TO_CODE.to(values.device)[values.view(torch.uint8).long()]
+    codes = torch.nn.functional.pad(codes, (0, -k % 32))
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
 def hadamard_matrix(seed: int = HADAMARD_SEED) -> Tensor:
     """The 16x16 random Hadamard transform `D @ H16 / 4` (fp32): Sylvester's Hadamard matrix
     normalized to be orthogonal, rows multiplied by a random sign diagonal `D` drawn from `seed`.

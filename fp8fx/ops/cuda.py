@@ -24,10 +24,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fp8fx.codegen.dispatch import grouped_launcher, interpreter_active, scaled_mm_kind, triton_available
+from fp8fx.codegen.variants import nvfp4_blocks
 from fp8fx.core import grouped
 from fp8fx.core.epilogue import Epilogue
 from fp8fx.core.formats import fp8_format_of
-from fp8fx.ops import library, nvfp4, reference
+from fp8fx.ops import library, reference
 
 ALIGN = 16
 
@@ -62,11 +63,18 @@ def scaled_mm_2d(
 ) -> Tensor:
     """One 2-D FP8 GEMM through `torch._scaled_mm`: checks, pads M, N and K to multiples of 16, lays
     out b column-major. `fast_accum` is its `use_fast_accum` (Hopper's FP8 accumulator, unpromoted).
-    Scale blocks it cannot take (MX's, as fp32 scale inverses) run the generated kernel instead."""
+    Scale blocks it cannot take (MX's, as fp32 scale inverses) run the generated kernel instead, and
+    NVFP4's FP4 operands the generated NVFP4 kernel."""
     if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
         raise ValueError("FP8 GEMM with two E5M2 operands is not supported by cuBLASLt; use format hybrid or e4m3")
     m, n = a.shape[0], b.shape[1]
     block_a, block_b = list(block_a), list(block_b)
+    if nvfp4_blocks(block_a, block_b):  # FP4 operands: the generated NVFP4 kernel (Blackwell)
+        if not triton_available():
+            raise RuntimeError("fp8fx: NVFP4 GEMMs run in a generated Triton kernel; install Triton (Linux)")
+        from fp8fx.codegen.launch import nvfp4_gemm
+
+        return nvfp4_gemm(a, b, scale_inv_a, scale_inv_b, block_a=tuple(block_a), block_b=tuple(block_b), out_dtype=out_dtype)
     if scaled_mm_kind(block_a, block_b) is None and triton_available():  # MX blocks: the generated kernel
         from fp8fx.codegen.launch import fp8_gemm
 
@@ -139,7 +147,7 @@ def fp8_gemm_cuda(*args, gpu_kernel: str, fast_accum: bool):
     the kernel the graph chose."""
     *operands, epilogue = args
     ep = Epilogue.parse(epilogue)
-    if gpu_kernel == "scaled_mm":  # cuBLASLt GEMM, then the epilogue as separate torch ops
+    if gpu_kernel in ("scaled_mm", "nvfp4"):  # cuBLASLt's (NVFP4: the FP4 kernel's) GEMM, then the epilogue as torch ops
         a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b = operands
         y = scaled_mm_2d(a, b, scale_inv_a, scale_inv_b, torch.float32, block_a, block_b, fast_accum=fast_accum)
         return reference.fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_dtype, ep)
@@ -147,11 +155,10 @@ def fp8_gemm_cuda(*args, gpu_kernel: str, fast_accum: bool):
 
 
 def fp8_gemm_cpu(*args, gpu_kernel: str, fast_accum: bool):
-    """`fp8fx::fp8_gemm` on CPU tensors: a "triton" GEMM under Triton's interpreter runs the
-    generated kernel as a GPU would; everything else the exact emulation."""
-    if gpu_kernel == "triton" and interpreter_active():
-        *operands, epilogue = args
-        return fp8_gemm_triton(*operands, Epilogue.parse(epilogue), fast_accum)
+    """`fp8fx::fp8_gemm` on CPU tensors: a "triton" or "nvfp4" GEMM under Triton's interpreter runs
+    the generated kernel as a GPU would; everything else the exact emulation."""
+    if gpu_kernel in ("triton", "nvfp4") and interpreter_active():
+        return fp8_gemm_cuda(*args, gpu_kernel=gpu_kernel, fast_accum=fast_accum)
     return reference.fp8_gemm(*args, gpu_kernel, fast_accum)
 
 
@@ -168,18 +175,6 @@ library.cast.register_kernel("cuda")(cast_cuda)
 library.scaled_mm.register_kernel("cuda")(scaled_mm_cuda)
 library.fp8_gemm.register_kernel("cuda")(fp8_gemm_cuda)
 library.fp8_gemm.register_kernel("cpu")(fp8_gemm_cpu)
-
-
-def nvfp4_cuda(*args, **kwargs):
-    """NVFP4's ops on CUDA: no kernel yet (Blackwell's FP4 GEMMs and casts are not written)."""
-    raise NotImplementedError(
-        "fp8fx: NVFP4 (format/granularity nvfp4, recipe nvfp4) has no GPU kernels yet; it is emulated on CPU only. "
-        "On a GPU use an FP8 recipe (tensorwise, rowwise, blockwise, delayed)"
-    )
-
-
-for _op in (nvfp4.hadamard, nvfp4.nvfp4_scale, nvfp4.cast_nvfp4):
-    _op.register_kernel("cuda")(nvfp4_cuda)
 
 
 def _rowwise_scales(s: Tensor, spec: grouped.OperandScales, form: str, side: int, x: Tensor, offs: Tensor) -> Tensor:

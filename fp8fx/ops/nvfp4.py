@@ -5,7 +5,8 @@ An NVFP4 operand is `fp8fx::amax` (per block) -> `fp8fx::nvfp4_scale` -> `fp8fx:
 `fp8fx::hadamard` for the weight gradient's operands; its GEMM is the ordinary `fp8fx::scaled_mm`
 on the E4M3 tensors carrying E2M1 values, with per-block scale inverses (1x16, 16x16 for weights):
 each 16 of K is one exactly scaled partial product added in fp32 (fp8fx.ops.reference). The math
-lives in fp8fx.core.fp4 and fp8fx.core.scaling. No GPU runs these yet (fp8fx.ops.cuda refuses).
+lives in fp8fx.core.fp4 and fp8fx.core.scaling. On a GPU these ops run as the same torch code (no
+fused cast kernel yet) and the GEMMs in the generated NVFP4 kernel (fp8fx.codegen.nvfp4_kernel).
 """
 
 from __future__ import annotations

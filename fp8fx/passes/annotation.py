@@ -76,7 +76,8 @@ class Fusion:
     """How an FP8 GEMM runs on a GPU: the kernel, its fused epilogue and why fusion stopped."""
 
     kernel: str | None = None  # "triton" (the generated kernel) | "scaled_mm" (torch._scaled_mm, the epilogue as torch ops)
-    # | "scaled_grouped_mm" (torch._scaled_grouped_mm) | "emulated" (the reference in torch ops) for grouped GEMMs
+    # | "nvfp4" (the generated NVFP4 kernel, the epilogue as torch ops) | "scaled_grouped_mm"
+    # (torch._scaled_grouped_mm) | "emulated" (the reference in torch ops) for grouped GEMMs
     kernel_reason: str | None = None
     stop: str | None = None  # why fusion stopped where it did
     epilogue: Epilogue | None = None  # the fused epilogue (None: not fused)

@@ -317,8 +317,9 @@ def _amax_of(cast: fx.Node) -> fx.Node | None:
     return None
 
 
-# No GPU kernel takes NVFP4's FP4 operands yet (its casts refuse on CUDA): its GEMMs are emulated.
-NVFP4_KERNEL = ("emulated", "NVFP4 has no GPU kernel yet: emulated on CPU, refused on CUDA")
+# NVFP4's FP4 operands run in their own generated kernel (Blackwell's FP4 MMA); a fused epilogue
+# runs after it as torch ops.
+NVFP4_KERNEL = ("nvfp4", "FP4 block-scaled tensor cores, Blackwell only; epilogue as torch ops")
 
 
 def _nvfp4(gemm: fx.Node) -> bool:

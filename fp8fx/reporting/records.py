@@ -192,6 +192,7 @@ GPU_KERNELS = {
     "scaled_mm": "torch._scaled_mm",
     "scaled_grouped_mm": "torch._scaled_grouped_mm",
     "emulated": "emulation in torch ops",
+    "nvfp4": "generated NVFP4 kernel",
 }
 
 
@@ -384,14 +385,8 @@ class Report:
                 f"superseded: graph {index} (Dynamo {op.compile_id}, recompiled as {op.superseded_by}: {op.recompile_reason or 'reason not recorded'})"
             )
         if s["gpu_kernels"]:
-            names = {
-                "triton": "by the generated Triton kernel",
-                "scaled_mm": "by torch._scaled_mm",
-                "scaled_grouped_mm": "by torch._scaled_grouped_mm",
-                "emulated": "emulated in torch ops",
-            }
             lines.append(
-                "FP8 GEMMs on a GPU: " + ", ".join(f"{v} {names.get(k, k)}" for k, v in sorted(s["gpu_kernels"].items()))
+                "FP8 GEMMs on a GPU: " + ", ".join(f"{v} by {GPU_KERNELS.get(k, k)}" for k, v in sorted(s["gpu_kernels"].items()))
             )
         if s["fallbacks_by_reason"]:
             lines.append("kept high: " + ", ".join(f"{k} {v}" for k, v in sorted(s["fallbacks_by_reason"].items())))

@@ -22,7 +22,6 @@ from fp8fx.core.formats import Fp8Format
 from fp8fx.core.policy import Policy, PolicyError, Rule, Settings
 from fp8fx.core.policy_yaml import policy_from_yaml
 from fp8fx.core.recipes import GRANULARITIES, RECIPES, Granularity, Hadamard
-from fp8fx.ops.cuda import nvfp4_cuda
 from tests.helpers import compile_captured, sqnr
 
 ops = torch.ops.fp8fx
@@ -318,7 +317,7 @@ def test_mlp_from_assets_trains_under_nvfp4_close_to_fp32():
         ("inner.0", "output"), ("inner.0", "grad_weight"), *((s, r) for s in ("inner.2",) for r in ("output", "grad_input", "grad_weight"))
     }  # fmt: skip
     assert all(op.formats == ("nvfp4", "nvfp4") and op.granularity == "nvfp4" for op in fp4_rows)
-    assert all(op.gpu_kernel == "emulated" and "NVFP4 has no GPU kernel yet" in op.gpu_kernel_reason for op in fp4_rows)
+    assert all(op.gpu_kernel == "nvfp4" and "Blackwell only" in op.gpu_kernel_reason for op in fp4_rows)
     assert {(op.role, op.stochastic_rounding, op.hadamard) for op in fp4_rows} == {
         ("output", False, False), ("grad_input", True, False), ("grad_weight", True, True)
     }  # fmt: skip
@@ -421,13 +420,6 @@ def test_ops_agree_with_their_fakes():
     torch.library.opcheck(ops.cast_nvfp4, (x, scale, [1, 16], False))
     scale_t, _ = ops.nvfp4_scale(ops.amax(x.t(), [16, 1]))
     torch.library.opcheck(ops.cast_nvfp4, (x.t(), scale_t, [16, 1], False))
-
-
-def test_cuda_path_refuses_with_one_message():
-    for op in ("hadamard", "nvfp4_scale", "cast_nvfp4"):
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fp8fx::{op}", "CUDA"), op
-    with pytest.raises(NotImplementedError, match=r"^fp8fx: NVFP4 .* has no GPU kernels yet; it is emulated on CPU only"):
-        nvfp4_cuda(torch.zeros(1))
 
 
 # ---------------------------------------------------------------- recipe and policy
