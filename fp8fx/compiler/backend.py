@@ -32,6 +32,7 @@ from fp8fx.core.policy import Policy
 from fp8fx.core.policy_yaml import as_policy
 from fp8fx.passes import REWRITE_PASSES, PassContext, run_passes
 from fp8fx.passes.annotation import annotations
+from fp8fx.passes.gathered_experts import rewrite_gathered_experts
 from fp8fx.passes.graph_utils import DelayedInputs, Taps, decompose_nodes
 from fp8fx.passes.pipeline import PLANNING_PASSES
 from fp8fx.reporting.records import OpRecord, Report
@@ -258,6 +259,7 @@ class Fp8fxBackend:
         _refuse_dtensors(example_inputs)
         for device in {x.device for x in example_inputs if isinstance(x, torch.Tensor) and x.device.type == "cuda"}:
             device_target(device)  # one clear error for a ROCm GPU or one without FP8 tensor cores
+        rewrite_gathered_experts(gm, self.policy)  # before aot_autograd derives the backward from it
         positions = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.nn.Parameter)]
         param_objs = [example_inputs[i] for i in positions]
         rewrite = _Rewrite(self, [weakref.ref(p) for p in param_objs], frozenset(positions))

@@ -103,6 +103,11 @@ def _grouped_problem(node: fx.Node, offs: fx.Node, settings: Settings) -> tuple[
             return ReasonKind.PATTERN, f"{describe_call(node)}: a grouped GEMM with a bias is not rewritten"
     if offs.meta["val"].dtype != torch.int32:
         return ReasonKind.DTYPE, f"group offsets of dtype {offs.meta['val'].dtype}; FP8 grouped GEMMs take int32 offsets"
+    return grouped_settings_problem(settings)
+
+
+def grouped_settings_problem(settings: Settings) -> tuple[ReasonKind, str] | None:
+    """What in the resolved settings keeps every grouped GEMM high (their recipe has no grouped lowering)."""
     if settings.granularity is Granularity.NVFP4:
         return (
             ReasonKind.PATTERN,
@@ -211,8 +216,9 @@ def _expert_vector_problem(site: MatmulSite, gemm: Gemm) -> str | None:
     vector = "N=1" if fwd.n == 1 else "M=1"
     return (
         f"one routed token per product: a batch of {fwd.batch} matrix-vector products of {fwd.m} x {fwd.k} by {fwd.k} x {fwd.n} "
-        f"with each token's expert matrix (transformers' batched_mm experts); {vector}, and FP8 GEMMs need N and K % 16 == 0: "
-        "experts_implementation='grouped_mm' runs the experts as FP8 grouped GEMMs"
+        f"with each token's expert matrix (transformers' batched_mm experts); {vector}, and FP8 GEMMs need N and K % 16 == 0. "
+        "fp8fx rewrites these into grouped GEMMs where the module's policy runs grouped_mm in FP8 (in bf16, "
+        "or with transformers' grouped-mm op registered), which it does not here"
     )
 
 
