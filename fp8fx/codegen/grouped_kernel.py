@@ -13,9 +13,13 @@ their concatenation. In 2D-3D a tile's rows stop at its group's end, in 2D-2D it
 groups and offsets need not be multiples of any tile size, and empty groups have no tiles (2D-3D)
 or a zero product (2D-2D).
 
-Scales are scale inverses, applied to the fp32 accumulator after the K loop (constant along K in
-both forms). The launcher passes any granularity as (per-group, per-row / per-column) strides:
-rowwise A is (0, 1) in 2D-3D, a per-group scalar (1, 0), a [G, M] tensor (M, 1); B likewise. The
+Scales are scale inverses. Constant along K (K_BLOCK = 0), they multiply the fp32 accumulator after
+the K loop, and the launcher passes any granularity as (per-group, per-row / per-column) strides:
+rowwise A is (0, 1) in 2D-3D, a per-group scalar (1, 0), a [G, M] tensor (M, 1); B likewise. In
+blocks of K_BLOCK along K (MX's 32, blockwise's 128), each BLOCK_K window's product (BLOCK_K
+divides K_BLOCK) is promoted to the accumulator times its rows' and columns' block scales: A's
+[M, K / K_BLOCK], B's [G, K / K_BLOCK, N / B_COL_BLOCK] (2D-3D) or [K / K_BLOCK, N] (2D-2D, whose
+groups then start and end at multiples of K_BLOCK: the graph pads them, `fp8fx::pad_groups`). The
 accumulation (`dot_accumulate`, with Hopper's per-BLOCK_K promotion unless FAST_ACCUM) and the
 tile order inside a group (`tile_position`) are the dense kernel's. Its launcher is
 `fp8fx.codegen.launch.grouped_fp8_gemm`.
@@ -69,12 +73,16 @@ def fp8_grouped_gemm_kernel(
     stride_sa_row,
     stride_sb_g,
     stride_sb_col,
+    stride_sa_k,
+    stride_sb_k,
     K_GROUPED: tl.constexpr,
     FAST_ACCUM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    B_COL_BLOCK: tl.constexpr,
 ):
     """Persistent over the groups' tiles. M is a's rows (all groups' in 2D-3D), K the contraction
     length (2D-3D) or a's columns (2D-2D). M_BUCKET and K_BUCKET are the autotuner's key only."""
@@ -113,23 +121,34 @@ def fp8_grouped_gemm_kernel(
             offs_k = k_lo + tl.arange(0, BLOCK_K)
             a_ptrs = a_rows + offs_k.to(tl.int64)[None, :] * stride_ak
             b_ptrs = b_cols + offs_k.to(tl.int64)[:, None] * stride_bk
-            for _ in range(k_lo, k_hi, BLOCK_K):
+            if K_BLOCK != 0:  # scales per K block: each window's product promoted with its block's
+                sa_ptrs = scale_a_ptr + load_m * stride_sa_row
+                sb_ptrs = scale_b_ptr + tl.cast(g, tl.int64) * stride_sb_g + ((offs_n % N) // B_COL_BLOCK) * stride_sb_col
+            for k0 in range(k_lo, k_hi, BLOCK_K):
                 a = tl.load(a_ptrs, mask=offs_k[None, :] < k_hi, other=0.0)
                 b = tl.load(b_ptrs, mask=offs_k[:, None] < k_hi, other=0.0)
-                acc = dot_accumulate(a, b, acc, FAST_ACCUM, BLOCK_K)
+                if K_BLOCK != 0:
+                    kb = k0 // K_BLOCK
+                    sa = tl.load(sa_ptrs + kb * stride_sa_k)
+                    sb = tl.load(sb_ptrs + kb * stride_sb_k)
+                    acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+                else:
+                    acc = dot_accumulate(a, b, acc, FAST_ACCUM, BLOCK_K)
                 offs_k += BLOCK_K
                 a_ptrs += BLOCK_K * stride_ak
                 b_ptrs += BLOCK_K * stride_bk
-            if K_GROUPED:
+            if K_GROUPED and K_BLOCK == 0:  # (K-block scales: groups start and end on whole windows)
                 if start < tl.minimum(k_lo, end):
                     acc = _partial_window(
                         acc, a_rows, b_cols, k_lo - BLOCK_K, start, end, K, stride_ak, stride_bk, FAST_ACCUM, BLOCK_K
                     )
                 if k_hi < end:
                     acc = _partial_window(acc, a_rows, b_cols, k_hi, start, end, K, stride_ak, stride_bk, FAST_ACCUM, BLOCK_K)
-            sa = tl.load(scale_a_ptr + g * stride_sa_g + offs_m * stride_sa_row, mask=mask_m, other=1.0)
-            sb = tl.load(scale_b_ptr + g * stride_sb_g + offs_n * stride_sb_col, mask=mask_n, other=1.0)
-            y = acc * sa[:, None] * sb[None, :]
+            if K_BLOCK == 0:
+                sa = tl.load(scale_a_ptr + g * stride_sa_g + offs_m * stride_sa_row, mask=mask_m, other=1.0)
+                sb = tl.load(scale_b_ptr + g * stride_sb_g + offs_n * stride_sb_col, mask=mask_n, other=1.0)
+                acc = acc * sa[:, None] * sb[None, :]
+            y = acc
             out_ptrs = out_ptr + tl.cast(g, tl.int64) * stride_og + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
             tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
             tile += tl.num_programs(0)

@@ -21,7 +21,6 @@ from fp8fx.codegen.dispatch import gemm_family, interpreter_active
 from fp8fx.codegen.triton_kernels import amax_kernel, fp8_gemm_kernel, quantize_kernel
 from fp8fx.codegen.variants import (
     GRID_LIMITS,
-    GROUPED_CONFIGS,
     NVFP4_CONFIGS,
     GemmVariant,
     GroupedVariant,
@@ -351,7 +350,7 @@ def grouped_autotuner(target: str, variant: GroupedVariant):
     lengths (one of them is the token count), N and the group count."""
     from fp8fx.codegen.grouped_kernel import fp8_grouped_gemm_kernel
 
-    configs = [triton.Config(c.constexprs(), num_warps=c.num_warps, num_stages=c.num_stages) for c in GROUPED_CONFIGS[target]]
+    configs = [triton.Config(c.constexprs(), num_warps=c.num_warps, num_stages=c.num_stages) for c in variant.configs(target)]
     return triton.autotune(configs=configs, key=["M_BUCKET", "N", "K_BUCKET", "G"])(fp8_grouped_gemm_kernel)
 
 
@@ -373,6 +372,27 @@ def _grouped_scale_strides(
     raise ValueError(f"fp8fx grouped FP8 GEMM: {name} must have shape ({groups},) (per group) or {wanted}, got {shape}")
 
 
+def _k_block_scales(scale_a: Tensor, scale_b: Tensor, block_a: tuple, block_b: tuple, a: Tensor, b: Tensor):
+    """(K block, B's column block, ((group, row, K-block) strides of A's scales, B's likewise)) of
+    scales in blocks along K, checked against the operands' shapes."""
+    k_block = block_a[1] if len(block_a) == 2 else 0
+    ok = len(block_a) == 2 and block_a[0] == 1 and k_block > 1 and len(block_b) == 2 and block_b[0] == k_block
+    b_cols = block_b[1] if ok else 0
+    ok = ok and (b_cols == 1 or (b.dim() == 3 and b_cols == k_block))
+    if not ok:
+        raise ValueError(
+            f"fp8fx grouped FP8 GEMM: blocks along K are (1, kb) for a with (kb, 1) or, for a 3-D b, (kb, kb) for b; got {block_a} x {block_b}"
+        )
+    for name, s, x, block in (("scale_a", scale_a, a, block_a), ("scale_b", scale_b, b, block_b)):
+        expected = tuple(scale_shape(x.shape, block))
+        if s.dtype != torch.float32 or tuple(s.shape) != expected:
+            raise ValueError(
+                f"fp8fx grouped FP8 GEMM: {name} must be fp32 of shape {expected} for block {block}, got {s.dtype} {tuple(s.shape)}"
+            )
+    sb_group = scale_b.stride(0) if b.dim() == 3 else 0
+    return k_block, b_cols, ((0, scale_a.stride(0), scale_a.stride(1)), (sb_group, scale_b.stride(-1), scale_b.stride(-2)))
+
+
 def grouped_fp8_gemm(
     a: Tensor,
     b: Tensor,
@@ -382,6 +402,8 @@ def grouped_fp8_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     *,
     fast_accum: bool = False,
+    block_a: tuple = (),
+    block_b: tuple = (),
 ) -> Tensor:
     """`torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype=out_dtype)` with one
     generated kernel; scales are scale inverses (x ~= x_fp8 * scale_inv), accumulation fp32.
@@ -391,7 +413,10 @@ def grouped_fp8_gemm(
     2D-2D: a [M, K], b [K, N], offs [G] (cumulative K ends) -> out [G, M, N]; scale_a [G, M] (or
     flat [G * M]) or [G], scale_b [G, N] (or [G * N]) or [G]. Rows of out past offs[-1] (2D-3D) are
     zero (torch leaves them unwritten); K past offs[-1] (2D-2D) is not read. Any operand layout (copied when
-    tensor cores cannot read it)."""
+    tensor cores cannot read it).
+    Scales in blocks along K instead: `block_a` (1, kb) with scale_a [M, K / kb], `block_b` (kb, 1)
+    or (kb, kb) with scale_b [G, K / kb, N / cols] (2D-3D) or (kb, 1) with [K / kb, N] (2D-2D, whose
+    group offsets must then be multiples of kb, as `fp8fx::pad_offsets` makes them)."""
     device = _check_device({"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b, "offs": offs})
     if offs.dtype != torch.int32 or offs.dim() != 1:
         raise ValueError(f"fp8fx grouped FP8 GEMM: offs must be a 1-D int32 tensor, got {offs.dtype} {tuple(offs.shape)}")
@@ -400,14 +425,19 @@ def grouped_fp8_gemm(
             f"fp8fx grouped FP8 GEMM: needs a [M, K] with b [G, K, N] or [K, N], got {tuple(a.shape)} and {tuple(b.shape)}"
         )
     k_grouped = b.dim() == 2
-    variant = GroupedVariant(a.dtype, b.dtype, k_grouped, out_dtype, fast_accum)
     (m, k), n, groups = a.shape, b.shape[-1], offs.shape[0]
     if not k_grouped and b.shape[0] != groups:
         raise ValueError(f"fp8fx grouped FP8 GEMM: b has {b.shape[0]} groups, offs {groups}")
     scale_a, scale_b = scale_a.contiguous(), scale_b.contiguous()
-    sb_strides = _grouped_scale_strides("scale_b", scale_b, groups, n, True, True)
-    # An [M] rowwise scale_a with as many rows as groups is read as scale_b is: per group or per row.
-    sa_strides = _grouped_scale_strides("scale_a", scale_a, groups, m, k_grouped, sb_strides[1] == 0)
+    if block_a or block_b:
+        k_block, b_cols, (sa_strides, sb_strides) = _k_block_scales(scale_a, scale_b, tuple(block_a), tuple(block_b), a, b)
+    else:
+        k_block, b_cols = 0, 1
+        sb_strides = _grouped_scale_strides("scale_b", scale_b, groups, n, True, True)
+        # An [M] rowwise scale_a with as many rows as groups is read as scale_b is: per group or per row.
+        sa_strides = _grouped_scale_strides("scale_a", scale_a, groups, m, k_grouped, sb_strides[1] == 0)
+        sa_strides, sb_strides = (*sa_strides, 0), (*sb_strides, 0)
+    variant = GroupedVariant(a.dtype, b.dtype, k_grouped, out_dtype, fast_accum, k_block, b_cols)
     a = rows_aligned(a)
     bt = rows_aligned(b.transpose(-2, -1))  # [G, N, K] or [N, K]: K-contiguous
     offs = offs.contiguous()
@@ -427,8 +457,8 @@ def grouped_fp8_gemm(
     kernel = grouped_autotuner(target, variant)
     kernel[grid](
         a, bt, out, scale_a, scale_b, offs, groups, m, n, k, m_bucket(m), m_bucket(k),
-        a.stride(0), a.stride(1), b_group_stride, bt.stride(-1), bt.stride(-2), *out_strides, *sa_strides, *sb_strides,
-        **variant.constexprs(),
+        a.stride(0), a.stride(1), b_group_stride, bt.stride(-1), bt.stride(-2), *out_strides, *sa_strides[:2], *sb_strides[:2],
+        sa_strides[2], sb_strides[2], **variant.constexprs(),
     )  # fmt: skip
     return out
 

@@ -254,6 +254,8 @@ class GroupedVariant:
     k_grouped: bool
     out_dtype: torch.dtype = torch.bfloat16
     fast_accum: bool = False
+    k_block: int = 0  # scales per block of this many along K (MX 32, blockwise 128); 0: constant along K
+    b_col_block: int = 1  # with k_block: B's scale blocks across N (blockwise weights: 128)
 
     def __post_init__(self):
         for name in ("a_dtype", "b_dtype"):
@@ -267,10 +269,27 @@ class GroupedVariant:
     def name(self) -> str:
         form = "2d2d" if self.k_grouped else "2d3d"
         fast = "_fastacc" if self.fast_accum else ""
-        return f"fp8_grouped_gemm_{form}_{_SHORT[self.a_dtype]}{_SHORT[self.b_dtype]}_{_SHORT[self.out_dtype]}{fast}"
+        blocks = f"_k{self.k_block}x{self.b_col_block}" if self.k_block else ""
+        return f"fp8_grouped_gemm_{form}_{_SHORT[self.a_dtype]}{_SHORT[self.b_dtype]}{blocks}_{_SHORT[self.out_dtype]}{fast}"
 
     def constexprs(self) -> dict:
-        return {"K_GROUPED": self.k_grouped, "FAST_ACCUM": self.fast_accum}
+        return {
+            "K_GROUPED": self.k_grouped,
+            "FAST_ACCUM": self.fast_accum,
+            "K_BLOCK": self.k_block,
+            "B_COL_BLOCK": self.b_col_block,
+        }
+
+    def configs(self, target: str) -> tuple[TileConfig, ...]:
+        """`target`'s grouped tile configs for this variant. K-block scales promote each window's
+        product, a second tile beside the accumulator: they take BLOCK_K dividing the K block and
+        at most 64 x 64 accumulator values per 4 warps (larger tiles spilled 16-1472 bytes on
+        sm_90a / sm_100a)."""
+        configs = GROUPED_CONFIGS[target]
+        if not self.k_block:
+            return configs
+        fits = [c for c in configs if target == "interpreter" or c.block_m * c.block_n <= 1024 * c.num_warps]
+        return tuple(replace(c, block_k=math.gcd(c.block_k, self.k_block)) for c in fits)
 
 
 # CUDA's grid limits: x up to 2**31 - 1 programs, y and z up to 65535.

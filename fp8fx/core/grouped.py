@@ -91,16 +91,15 @@ def rowwise_layout(scales: tuple[OperandScales, OperandScales]) -> bool:
 def gpu_kernel(formats: tuple[str, str], scales: tuple[OperandScales, OperandScales], triton: bool) -> tuple[str, str]:
     """What runs an FP8 grouped GEMM on a GPU, and why (`fp8fx.ops.cuda`): "scaled_grouped_mm"
     (`torch._scaled_grouped_mm`: two E4M3 operands, scales per group or per row / column), "triton"
-    (the generated grouped kernel, `triton` when it is there: the same scales, any FP8 pair), or
-    "emulated" (the exact reference, one GEMM per group in torch ops)."""
+    (the generated grouped kernel, `triton` when it is there: any FP8 pair, scales also in blocks
+    along K), or "emulated" (without Triton: the exact reference, one GEMM per group in torch ops)."""
     rowwise = rowwise_layout(scales)
     if rowwise and formats == ("e4m3", "e4m3"):
         return "scaled_grouped_mm", "E4M3 operands with per-group or per-row scales: torch._scaled_grouped_mm"
-    if rowwise and triton:
-        return "triton", "an E5M2 operand, which torch._scaled_grouped_mm does not take: the generated grouped kernel"
-    why = (
-        "scales in blocks along K, which no grouped kernel of fp8fx takes"
-        if not rowwise
-        else "an E5M2 operand, which torch._scaled_grouped_mm does not take"
+    why = "an E5M2 operand, which torch._scaled_grouped_mm does not take" if rowwise else "scales in blocks along K"
+    if triton:
+        return "triton", f"{why}: the generated grouped kernel" + ("" if rowwise else ", promoting each K block")
+    return (
+        "emulated",
+        f"{why}, and no Triton for the generated grouped kernel: the exact emulation in torch ops, one GEMM per group",
     )
-    return "emulated", f"{why}: the exact emulation in torch ops, one GEMM per group"

@@ -196,7 +196,11 @@ def _line_scales(a, b, scale_inv_a, scale_inv_b, offs, form, scales) -> tuple[Te
 
 
 def _grouped_triton(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, form, scales, fast_accum) -> Tensor:
-    """The generated grouped kernel (GPUs, and CPU tensors under Triton's interpreter)."""
+    """The generated grouped kernel (GPUs, and CPU tensors under Triton's interpreter): scales per
+    group or line as lines, scales in blocks along K as they are."""
+    if not grouped.rowwise_layout(scales):
+        blocks = {"block_a": scales[0].block, "block_b": scales[1].block}
+        return grouped_launcher()(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, fast_accum=fast_accum, **blocks)
     sa, sb = _line_scales(a, b, scale_inv_a, scale_inv_b, offs, form, scales)
     return grouped_launcher()(a, b, sa, sb, offs, out_dtype, fast_accum=fast_accum)
 
@@ -205,7 +209,7 @@ def fp8_grouped_mm_cpu(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, block_a,
     """`fp8fx::fp8_grouped_mm` on CPU tensors: under Triton's interpreter the generated grouped kernel
     wherever it takes the scales, as a GPU runs it; else the exact emulation."""
     form, scales = reference.check_grouped_args(a, b, scale_inv_a, scale_inv_b, offs, block_a, block_b)
-    if interpreter_active() and grouped.rowwise_layout(scales):
+    if interpreter_active():
         return _grouped_triton(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, form, scales, fast_accum)
     return reference.fp8_grouped_mm(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, block_a, block_b, fast_accum)
 

@@ -32,6 +32,25 @@ def test_grouped_gemm_builds_with_fp8_tensor_cores(arch, k_grouped):
     check(GroupedVariant(E4M3, E4M3, k_grouped, torch.bfloat16), arch, GROUPED_CONFIGS[arch][0])
 
 
+# Scales in blocks along K: MX (E5M2 gradients by E4M3, 1 x 32 blocks: 32-wide K windows) and
+# blockwise (1 x 128 by 128 x 128 weights, or 128 x 1 in the weight gradient).
+K_BLOCK_VARIANTS = [
+    GroupedVariant(torch.float8_e5m2, E4M3, False, torch.bfloat16, k_block=32),
+    GroupedVariant(E4M3, E4M3, False, torch.bfloat16, k_block=128, b_col_block=128),
+    GroupedVariant(E4M3, torch.float8_e5m2, True, torch.float32, k_block=128),
+]
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("variant", K_BLOCK_VARIANTS, ids=lambda v: v.name)
+def test_grouped_gemm_with_k_block_scales_builds(arch, variant):
+    configs = variant.configs(arch)
+    assert all(variant.k_block % c.block_k == 0 for c in configs)
+    r = build_grouped(variant, arch, configs[0])
+    assert r.ok, r
+    assert r.fp8_mma and r.fp8_mma.startswith(FP8_MMA[arch]), r
+
+
 @pytest.mark.slow
 def test_every_grouped_config_builds():
     for arch in ("sm_90a", "sm_100a"):

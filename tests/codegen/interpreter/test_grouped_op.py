@@ -36,7 +36,46 @@ def test_grouped_op_runs_the_generated_kernel_like_the_emulation(form, granulari
     else:  # wgrad: groups along K
         a, b, dtypes = torch.randn(32, 64), torch.randn(64, 48), (torch.float8_e4m3fn, torch.float8_e5m2)
     blocks = GRANULARITIES[granularity].blocks(("input", "weight"))
-    (qa, sa), (qb, sb) = (_cast(x, offs, form, side, block, dtype) for side, (x, block, dtype) in enumerate(zip((a, b), blocks, dtypes)))
+    (qa, sa), (qb, sb) = (
+        _cast(x, offs, form, side, block, dtype) for side, (x, block, dtype) in enumerate(zip((a, b), blocks, dtypes))
+    )
     args = (qa, qb, sa, sb, offs, torch.float32, list(blocks[0]), list(blocks[1]))
     # fp32 accumulation in both; only the summation order differs
     assert sqnr(ops.fp8_grouped_mm(*args), reference.fp8_grouped_mm(*args)) > 100
+
+
+@pytest.mark.parametrize("form", ["2d-3d", "2d-2d"])
+@pytest.mark.parametrize("granularity", [Granularity.MX, Granularity.BLOCKWISE])
+def test_grouped_op_promotes_k_blocks_in_the_generated_kernel(form, granularity, monkeypatch):
+    """Scales in blocks along K (MX's 1 x 32, blockwise's 1 x 128 with 128 x 128 weights): each
+    K window's product is promoted with its blocks' scales. In 2-D x 2-D the graph pads every group
+    to whole blocks (`fp8fx::pad_groups`), so the offsets here are multiples of the block."""
+    torch.manual_seed(1)
+    kb = GRANULARITIES[granularity].left[1]
+    if form == "2d-3d":  # uneven row groups, one empty; K with a partial last block
+        offs = torch.tensor([5, 5, 42, 64], dtype=torch.int32)
+        a, b, roles = torch.randn(64, 3 * kb // 2), torch.randn(4, 3 * kb // 2, 48), ("input", "weight")
+    else:
+        offs = torch.tensor([kb, kb, 3 * kb, 4 * kb], dtype=torch.int32)
+        a, b, roles = torch.randn(32, 4 * kb), torch.randn(4 * kb, 48), ("grad_output", "input")
+    dtypes = (
+        (torch.float8_e4m3fn, torch.float8_e4m3fn)
+        if granularity is Granularity.BLOCKWISE
+        else (torch.float8_e5m2, torch.float8_e4m3fn)
+    )
+    blocks = GRANULARITIES[granularity].blocks(roles)
+    (qa, sa), (qb, sb) = (
+        _cast(x, offs, form, side, block, dtype) for side, (x, block, dtype) in enumerate(zip((a, b), blocks, dtypes))
+    )
+    args = (qa, qb, sa, sb, offs, torch.float32, list(blocks[0]), list(blocks[1]))
+    launched = []
+    real = launch.grouped_fp8_gemm
+
+    def recorded(*a, **kw):
+        launched.append((kw.get("block_a"), kw.get("block_b")))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(launch, "grouped_fp8_gemm", recorded)
+    out = ops.fp8_grouped_mm(*args)
+    assert launched == [blocks]
+    assert sqnr(out, reference.fp8_grouped_mm(*args)) > 100
