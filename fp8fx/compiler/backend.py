@@ -179,11 +179,34 @@ class Fp8fxBackend:
         self.shadow = ShadowChecks(policy.shadow, self._switch) if policy.shadow is not None else None
         self.overrides: dict[tuple[str, str], str] = {}
         self.generation = 0
+        # Every parameter a compiled graph was called with. One graph serves every instance of a
+        # module Dynamo compiled alone (each block of a stack it graph-broke around), so the
+        # parameters of the first compile are not all of them.
+        # (id -> parameter, weakly: tensors compare elementwise, so no WeakSet.)
+        self.params_seen: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def __repr__(self) -> str:
         return f"Fp8fxBackend(inner={self.inner!r}, policy={self.policy.source or 'built-in'}, graphs={len(self.graphs)})"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]):
+        positions = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.nn.Parameter)]
+        return self._recording_params(self._compile(gm, example_inputs), positions)
+
+    def _recording_params(self, fn, positions: list[int]):
+        """`fn`, adding the parameters each call passes (at `positions`) to `params_seen`."""
+        seen = self.params_seen
+
+        def run(*args):
+            boxed = len(args) == 1 and isinstance(args[0], list)  # (a boxed call passes one list, which fn clears)
+            given = args[0] if boxed else args
+            for i in positions:
+                seen[id(given[i])] = given[i]
+            return fn(*args)
+
+        run._boxed_call = getattr(fn, "_boxed_call", False)
+        return run
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]):
         compile_id = CompileContext.current_compile_id()
         origin = DynamoGraph(compile_id) if compile_id is not None and compile_id.frame_id is not None else None
         if self.shadow is None:
@@ -517,7 +540,12 @@ def report(compiled: Any) -> Report:
                 f"torch.compile(module, backend=...) or compile the model that contains it",
                 stacklevel=2,
             )
-    return _report(found, graphs)
+    report = _report(found, graphs)
+    if isinstance(orig, torch.nn.Module):
+        report.uncaptured_weights = [
+            name for name, p in orig.named_parameters() if p.dim() >= 2 and found.params_seen.get(id(p)) is not p
+        ]  # fmt: skip
+    return report
 
 
 def stats(compiled: Any) -> Monitor:

@@ -238,6 +238,9 @@ class Report:
         self.target = None  # fp8fx.reporting.costmodel.GpuSpec the predictions are for
         self.step = None  # its fp8fx.reporting.costmodel.StepPrediction
         self.monitor = None  # fp8fx.runtime.monitor.Monitor of the compiled model, if it has one
+        # Matrix weights (2-D or more) of the reported model that no graph in use took: their
+        # products ran outside fp8fx (eager code, a Python loop Dynamo does not trace) or not yet.
+        self.uncaptured_weights: list[str] = []
 
     def with_predictions(self, target) -> Report:
         """This report with each GEMM's predicted BF16 and FP8 time on `target` (see
@@ -252,6 +255,7 @@ class Report:
             self.saved_bytes,
         )
         new.saved_bytes_high_precision = self.saved_bytes_high_precision
+        new.uncaptured_weights = list(self.uncaptured_weights)
         new.target, new.step = spec, costmodel.predict_step(self.ops, sum(self.non_gemm_bytes.values()), spec)
         return new
 
@@ -306,6 +310,7 @@ class Report:
                 if self.saved_bytes_high_precision is not None
                 else None
             ),
+            "uncaptured_weights": list(self.uncaptured_weights),
             "target": self.target.name if self.target else None,
             "predicted_step_speedup": self.step.speedup if self.step else None,
             "predicted_gemm_speedup": self.step.gemm_speedup if self.step else None,
@@ -393,6 +398,13 @@ class Report:
         if s["gemms_without_flops"]:
             lines.append(
                 f"{s['gemms_without_flops']} GEMM(s) of dynamic or unknown dimensions (FLOP % '?') are not in the FP8 shares"
+            )
+        if s["uncaptured_weights"]:
+            names = s["uncaptured_weights"]
+            shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+            lines.append(
+                f"{len(names)} weight(s) reached no compiled graph, so their products ran outside fp8fx in high precision "
+                f"(eager code or a loop Dynamo does not trace), or have not run: {shown}"
             )
         if s["non_finite_amax_events"]:
             lines.append("non-finite amax (scale kept): " + ", ".join(f"{k} {v}" for k, v in s["non_finite_amax_events"].items()))

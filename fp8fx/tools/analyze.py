@@ -308,7 +308,7 @@ def _compile_and_run(model, batches, policy, train, loss_fn, collector, progress
         torch._dynamo.reset()  # the analysis compiled a throwaway copy of the model's code
     if progress:
         progress(stage, len(batches), len(batches))
-    return report_of(backend)
+    return report_of(compiled)
 
 
 def analyze(
@@ -395,12 +395,14 @@ def _traced(model, example_inputs, policy, train, loss_fn, fold_repeated, progre
                 out.update(dict.fromkeys(copies(name, blocks, fqn), n))
         return out
 
-    return Report(
+    out = Report(
         ops,
         folded={name: len(blocks) for name, _, _, blocks in folded},
         non_gemm_bytes=unfolded(report.non_gemm_bytes),
         saved_bytes=unfolded(report.saved_bytes) if report.saved_bytes is not None else None,
     )
+    out.uncaptured_weights = [*unfolded(dict.fromkeys(report.uncaptured_weights, 0))]
+    return out
 
 
 def assert_coverage(report: Report, min_fp8_flop_share: float) -> None:

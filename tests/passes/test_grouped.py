@@ -305,14 +305,16 @@ def test_moe_models_train_with_fp8_experts(name, impl):
     out.float().square().mean().backward()
     expected = reference(input_ids=ids).logits
     expected.float().square().mean().backward()
-    report = fp8fx.report(backend)
+    report = fp8fx.report(compiled)
     experts = [op for op in report.ops if ".experts" in op.fqn]
+    expert_weights = [name for name in report.uncaptured_weights if ".experts." in name]
     if impl in ("grouped_mm", "batched_mm"):  # every expert GEMM in FP8, forward and backward
         # (batched_mm's gathered-weight bmms are rewritten into grouped GEMMs: fp8fx.passes.gathered_experts)
         assert experts and all(op.op == "grouped_mm" and op.precision == "fp8" for op in experts)
         assert _expert_share(report, False) >= 0.9 and _expert_share(report, True) >= 0.9
-    else:  # the per-expert loop depends on the routing: Dynamo runs it outside any graph, unseen
-        assert experts == []
+        assert expert_weights == []
+    else:  # the per-expert loop depends on the routing: Dynamo runs it outside any graph; the report names its weights
+        assert experts == [] and len(expert_weights) == 2 * MOE["num_hidden_layers"]
     assert sqnr(out, expected) > OUTPUT_SQNR_DB
     grads = [(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()) if q.grad is not None]
     assert sqnr(torch.cat([g.flatten() for g, _ in grads]), torch.cat([r.flatten() for _, r in grads])) > GRAD_SQNR_DB
