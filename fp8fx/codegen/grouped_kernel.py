@@ -19,7 +19,9 @@ rowwise A is (0, 1) in 2D-3D, a per-group scalar (1, 0), a [G, M] tensor (M, 1);
 blocks of K_BLOCK along K (MX's 32, blockwise's 128), each BLOCK_K window's product (BLOCK_K
 divides K_BLOCK) is promoted to the accumulator times its rows' and columns' block scales: A's
 [M, K / K_BLOCK], B's [G, K / K_BLOCK, N / B_COL_BLOCK] (2D-3D) or [K / K_BLOCK, N] (2D-2D, whose
-groups then start and end at multiples of K_BLOCK: the graph pads them, `fp8fx::pad_groups`). The
+groups then start and end at multiples of K_BLOCK: the graph pads them, `fp8fx::pad_groups`).
+BLOCK_SCALED_MMA (MX's power-of-two scales, Blackwell) hands each window's E8M0 scales to the
+block-scaled MMA (`tl.dot_scaled`) instead, BLOCK_K a multiple of K_BLOCK. The
 accumulation (`dot_accumulate`, with Hopper's per-BLOCK_K promotion unless FAST_ACCUM) and the
 tile order inside a group (`tile_position`) are the dense kernel's. Its launcher is
 `fp8fx.codegen.launch.grouped_fp8_gemm`.
@@ -30,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fp8fx.codegen.triton_kernels import dot_accumulate, tile_position
+from fp8fx.codegen.triton_kernels import dot_accumulate, e8m0, tile_position
 
 
 @triton.jit
@@ -83,6 +85,7 @@ def fp8_grouped_gemm_kernel(
     GROUP_M: tl.constexpr,
     K_BLOCK: tl.constexpr,
     B_COL_BLOCK: tl.constexpr,
+    BLOCK_SCALED_MMA: tl.constexpr,
 ):
     """Persistent over the groups' tiles. M is a's rows (all groups' in 2D-3D), K the contraction
     length (2D-3D) or a's columns (2D-2D). M_BUCKET and K_BUCKET are the autotuner's key only."""
@@ -127,7 +130,15 @@ def fp8_grouped_gemm_kernel(
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 a = tl.load(a_ptrs, mask=offs_k[None, :] < k_hi, other=0.0)
                 b = tl.load(b_ptrs, mask=offs_k[:, None] < k_hi, other=0.0)
-                if K_BLOCK != 0:
+                if BLOCK_SCALED_MMA:  # MX on Blackwell: the E8M0 scales go to the block-scaled MMA
+                    kbs = k0 // K_BLOCK + tl.arange(0, BLOCK_K // K_BLOCK)
+                    in_k = (kbs < tl.cdiv(K, K_BLOCK))[None, :]
+                    sa = tl.load(sa_ptrs[:, None] + kbs[None, :] * stride_sa_k, mask=in_k, other=1.0)
+                    sb = tl.load(sb_ptrs[:, None] + kbs[None, :] * stride_sb_k, mask=in_k, other=1.0)
+                    A_FORMAT: tl.constexpr = "e5m2" if a.dtype == tl.float8e5 else "e4m3"
+                    B_FORMAT: tl.constexpr = "e5m2" if b.dtype == tl.float8e5 else "e4m3"
+                    acc = tl.dot_scaled(a, e8m0(sa), A_FORMAT, b, e8m0(sb), B_FORMAT, acc)
+                elif K_BLOCK != 0:
                     kb = k0 // K_BLOCK
                     sa = tl.load(sa_ptrs + kb * stride_sa_k)
                     sb = tl.load(sb_ptrs + kb * stride_sb_k)

@@ -21,6 +21,7 @@ from fp8fx.codegen.dispatch import gemm_family, interpreter_active
 from fp8fx.codegen.triton_kernels import amax_kernel, fp8_gemm_kernel, quantize_kernel
 from fp8fx.codegen.variants import (
     GRID_LIMITS,
+    GROUPED_BLOCK_SCALED_TARGETS,
     NVFP4_CONFIGS,
     GemmVariant,
     GroupedVariant,
@@ -33,6 +34,7 @@ from fp8fx.codegen.variants import (
 from fp8fx.core import fp4
 from fp8fx.core.epilogue import PLAIN, Epilogue
 from fp8fx.core.formats import fp8_format_of
+from fp8fx.core.recipes import MX_BLOCK
 from fp8fx.core.scaling import NVFP4_E4M3_MAX, scale_shape
 
 ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned bases and row strides; vector loads like them too
@@ -404,6 +406,7 @@ def grouped_fp8_gemm(
     fast_accum: bool = False,
     block_a: tuple = (),
     block_b: tuple = (),
+    block_scaled: bool | None = None,
 ) -> Tensor:
     """`torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype=out_dtype)` with one
     generated kernel; scales are scale inverses (x ~= x_fp8 * scale_inv), accumulation fp32.
@@ -416,7 +419,9 @@ def grouped_fp8_gemm(
     tensor cores cannot read it).
     Scales in blocks along K instead: `block_a` (1, kb) with scale_a [M, K / kb], `block_b` (kb, 1)
     or (kb, kb) with scale_b [G, K / kb, N / cols] (2D-3D) or (kb, 1) with [K / kb, N] (2D-2D, whose
-    group offsets must then be multiples of kb, as `fp8fx::pad_offsets` makes them)."""
+    group offsets must then be multiples of kb, as `fp8fx::pad_offsets` makes them). MX blocks
+    (kb = 32, power-of-two scales) run on the block-scaled MMA where the target has it
+    (`block_scaled` None), or as `block_scaled` says; other blocks promote each K window."""
     device = _check_device({"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b, "offs": offs})
     if offs.dtype != torch.int32 or offs.dim() != 1:
         raise ValueError(f"fp8fx grouped FP8 GEMM: offs must be a 1-D int32 tensor, got {offs.dtype} {tuple(offs.shape)}")
@@ -437,14 +442,21 @@ def grouped_fp8_gemm(
         # An [M] rowwise scale_a with as many rows as groups is read as scale_b is: per group or per row.
         sa_strides = _grouped_scale_strides("scale_a", scale_a, groups, m, k_grouped, sb_strides[1] == 0)
         sa_strides, sb_strides = (*sa_strides, 0), (*sb_strides, 0)
-    variant = GroupedVariant(a.dtype, b.dtype, k_grouped, out_dtype, fast_accum, k_block, b_cols)
+    target = device_target(device)
+    mx = k_block == MX_BLOCK and b_cols == 1
+    if block_scaled is None:
+        block_scaled = mx and target in GROUPED_BLOCK_SCALED_TARGETS
+    elif block_scaled and not mx:
+        raise ValueError(
+            f"fp8fx grouped FP8 GEMM: the block-scaled MMA takes MX blocks (1, 32) x (32, 1), got {block_a} x {block_b}"
+        )
+    variant = GroupedVariant(a.dtype, b.dtype, k_grouped, out_dtype, fast_accum, k_block, b_cols, block_scaled)
     a = rows_aligned(a)
     bt = rows_aligned(b.transpose(-2, -1))  # [G, N, K] or [N, K]: K-contiguous
     offs = offs.contiguous()
     out = torch.empty((groups, m, n) if k_grouped else (m, n), dtype=out_dtype, device=device)
     if out.numel() == 0 or groups == 0:
         return out
-    target = device_target(device)
     sms = _multiprocessors(device)
     # 2D-3D: each group, and the rows past the last one, may end in a partial tile.
     row_tiles = (lambda bm: groups * triton.cdiv(m, bm)) if k_grouped else (lambda bm: triton.cdiv(m, bm) + groups + 1)

@@ -205,7 +205,8 @@ def _grouped_kernel(variant: GroupedVariant, arch: str, config: TileConfig):
 
 def build_grouped(variant: GroupedVariant, arch: str, config: TileConfig) -> BuildResult:
     """The grouped GEMM (`grouped_kernel.fp8_grouped_gemm_kernel`) built for one arch and config."""
-    return _result(variant.name, arch, config, _grouped_kernel(variant, arch, config), FP8_MMA[arch], "grouped")
+    mma = BLOCK_SCALED_MMA if variant.block_scaled else FP8_MMA[arch]
+    return _result(variant.name, arch, config, _grouped_kernel(variant, arch, config), mma, "grouped")
 
 
 # Warp specialization is read from the TTGIR: the partitions are the regions of a

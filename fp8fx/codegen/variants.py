@@ -233,6 +233,8 @@ NVFP4_CONFIGS: dict[str, tuple[TileConfig, ...]] = {
     "sm_100a": (TileConfig(128, 128, 256, 8, 4, 3), TileConfig(128, 64, 256, 8, 4, 3), TileConfig(128, 128, 128, 8, 4, 4)),
     "interpreter": (TileConfig(32, 32, 64, 2, 1, 1),),
 }
+# Targets whose grouped GEMMs take MX blocks on the block-scaled MMA (GroupedVariant.block_scaled).
+GROUPED_BLOCK_SCALED_TARGETS = ("sm_100a", "interpreter")
 # The grouped GEMM (fp8fx.codegen.grouped_kernel): pointer loads, persistent over the groups'
 # tiles. Mixture-of-experts groups are often a few hundred tokens, so smaller tiles follow the
 # largest; 128 x 128 x 128 on 8 warps is the dense pointer kernel's first config.
@@ -256,6 +258,7 @@ class GroupedVariant:
     fast_accum: bool = False
     k_block: int = 0  # scales per block of this many along K (MX 32, blockwise 128); 0: constant along K
     b_col_block: int = 1  # with k_block: B's scale blocks across N (blockwise weights: 128)
+    block_scaled: bool = False  # MX blocks through the block-scaled MMA (Blackwell, and the interpreter)
 
     def __post_init__(self):
         for name in ("a_dtype", "b_dtype"):
@@ -269,7 +272,7 @@ class GroupedVariant:
     def name(self) -> str:
         form = "2d2d" if self.k_grouped else "2d3d"
         fast = "_fastacc" if self.fast_accum else ""
-        blocks = f"_k{self.k_block}x{self.b_col_block}" if self.k_block else ""
+        blocks = f"_k{self.k_block}x{self.b_col_block}{'_mma' if self.block_scaled else ''}" if self.k_block else ""
         return f"fp8_grouped_gemm_{form}_{_SHORT[self.a_dtype]}{_SHORT[self.b_dtype]}{blocks}_{_SHORT[self.out_dtype]}{fast}"
 
     def constexprs(self) -> dict:
@@ -278,6 +281,7 @@ class GroupedVariant:
             "FAST_ACCUM": self.fast_accum,
             "K_BLOCK": self.k_block,
             "B_COL_BLOCK": self.b_col_block,
+            "BLOCK_SCALED_MMA": self.block_scaled,
         }
 
     def configs(self, target: str) -> tuple[TileConfig, ...]:
@@ -288,6 +292,11 @@ class GroupedVariant:
         configs = GROUPED_CONFIGS[target]
         if not self.k_block:
             return configs
+        if self.block_scaled:
+            # Blackwell's block-scaled MMA takes 128-row tiles (Triton emulates it on smaller ones);
+            # whole K tiles of MX blocks, one block in 2D-2D, whose groups may end at any block.
+            configs = tuple(c for c in configs if c.block_m == 128 or target == "interpreter")
+            return tuple(replace(c, block_k=self.k_block) for c in configs) if self.k_grouped else configs
         fits = [c for c in configs if target == "interpreter" or c.block_m * c.block_n <= 1024 * c.num_warps]
         return tuple(replace(c, block_k=math.gcd(c.block_k, self.k_block)) for c in fits)
 

@@ -98,7 +98,9 @@ def gpu_kernel(formats: tuple[str, str], scales: tuple[OperandScales, OperandSca
         return "scaled_grouped_mm", "E4M3 operands with per-group or per-row scales: torch._scaled_grouped_mm"
     why = "an E5M2 operand, which torch._scaled_grouped_mm does not take" if rowwise else "scales in blocks along K"
     if triton:
-        return "triton", f"{why}: the generated grouped kernel" + ("" if rowwise else ", promoting each K block")
+        return "triton", f"{why}: the generated grouped kernel" + (
+            "" if rowwise else ", promoting each K block (MX on Blackwell: its block-scaled MMA)"
+        )
     return (
         "emulated",
         f"{why}, and no Triton for the generated grouped kernel: the exact emulation in torch ops, one GEMM per group",

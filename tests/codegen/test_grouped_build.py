@@ -51,6 +51,17 @@ def test_grouped_gemm_with_k_block_scales_builds(arch, variant):
     assert r.fp8_mma and r.fp8_mma.startswith(FP8_MMA[arch]), r
 
 
+@pytest.mark.parametrize("k_grouped", [False, True], ids=["2d3d", "2d2d"])
+def test_mx_grouped_gemm_builds_with_block_scaled_mma_on_blackwell(k_grouped):
+    variant = GroupedVariant(torch.float8_e5m2, E4M3, k_grouped, torch.bfloat16, k_block=32, block_scaled=True)
+    configs = variant.configs("sm_100a")
+    assert {c.block_k for c in configs} == ({32} if k_grouped else {128})  # 2D-2D groups end on any 32-block
+    for config in configs:
+        r = build_grouped(variant, "sm_100a", config)
+        assert r.ok, r
+        assert r.fp8_mma == "tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale.block32", r
+
+
 @pytest.mark.slow
 def test_every_grouped_config_builds():
     for arch in ("sm_90a", "sm_100a"):

@@ -17,12 +17,13 @@ ops = torch.ops.fp8fx
 
 
 def _cast(x, offs, form, side, block, dtype):
+    """One operand cast as the graph casts it: MX blocks (32 along K) take power-of-two scales."""
     spec = grouped.operand_scales(form, side, block)
     fmax = torch.finfo(dtype).max
     if spec.per_group:
         scale = ops.amax_to_scale(ops.grouped_amax(x, offs, spec.group_dim, spec.lines), fmax, 0, False)
         return ops.grouped_cast(x, scale, offs, spec.group_dim, dtype), scale.reciprocal()
-    scale = ops.amax_to_scale(ops.amax(x, list(spec.block)), fmax, 0, False)
+    scale = ops.amax_to_scale(ops.amax(x, list(spec.block)), fmax, 0, 32 in tuple(block))
     return ops.cast(x, scale, dtype, list(spec.block)), scale.reciprocal()
 
 
@@ -79,3 +80,38 @@ def test_grouped_op_promotes_k_blocks_in_the_generated_kernel(form, granularity,
     out = ops.fp8_grouped_mm(*args)
     assert launched == [blocks]
     assert sqnr(out, reference.fp8_grouped_mm(*args)) > 100
+
+
+@pytest.mark.parametrize("form", ["2d-3d", "2d-2d"])
+@pytest.mark.parametrize("block_scaled", [True, False], ids=["block_scaled_mma", "promoted"])
+def test_mx_grouped_gemm_on_both_kernel_paths(form, block_scaled):
+    """MX blocks run on the block-scaled MMA on Blackwell (the default under the interpreter) and
+    promote each 32-K window elsewhere (Hopper): both against the exact emulation."""
+    torch.manual_seed(2)
+    if form == "2d-3d":
+        offs = torch.tensor([7, 7, 50, 64], dtype=torch.int32)
+        a, b, roles = torch.randn(64, 200), torch.randn(4, 200, 40), ("input", "weight")  # K ends inside a block
+    else:
+        offs = torch.tensor([32, 32, 160, 192], dtype=torch.int32)
+        a, b, roles = torch.randn(24, 192), torch.randn(192, 40), ("grad_output", "input")
+    blocks = GRANULARITIES[Granularity.MX].blocks(roles)
+    dtypes = (torch.float8_e4m3fn, torch.float8_e5m2)
+    (qa, sa), (qb, sb) = (
+        _cast(x, offs, form, side, block, dtype) for side, (x, block, dtype) in enumerate(zip((a, b), blocks, dtypes))
+    )
+    out = launch.grouped_fp8_gemm(
+        qa, qb, sa, sb, offs, torch.float32, block_a=blocks[0], block_b=blocks[1], block_scaled=block_scaled
+    )
+    expected = reference.fp8_grouped_mm(qa, qb, sa, sb, offs, torch.float32, list(blocks[0]), list(blocks[1]))
+    assert sqnr(out, expected) > 100
+
+
+def test_block_scaled_mma_takes_mx_blocks_only():
+    offs = torch.tensor([64], dtype=torch.int32)
+    blocks = GRANULARITIES[Granularity.BLOCKWISE].blocks(("input", "weight"))
+    (qa, sa), (qb, sb) = (
+        _cast(x, offs, "2d-3d", side, block, torch.float8_e4m3fn)
+        for side, (x, block) in enumerate(zip((torch.randn(64, 128), torch.randn(1, 128, 32)), blocks))
+    )
+    with pytest.raises(ValueError, match=r"the block-scaled MMA takes MX blocks \(1, 32\) x \(32, 1\)"):
+        launch.grouped_fp8_gemm(qa, qb, sa, sb, offs, block_a=blocks[0], block_b=blocks[1], block_scaled=True)
