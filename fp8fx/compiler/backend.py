@@ -136,6 +136,7 @@ def _graph_kind(gm: fx.GraphModule) -> str:
 
 
 KERNELS = ("auto", "triton", "scaled_mm")  # see fp8fx.codegen.dispatch.choose_kernel
+SAVED_OUTPUTS = ("bf16", "high")  # see fp8fx.passes.saved_outputs
 FUSABLE_ACTIVATIONS = (torch.ops.aten.gelu.default, torch.ops.aten.silu.default)
 # Ops that reach the FP8 passes whole under Inductor: activations, to fuse them into epilogues, and
 # matrix products, which Inductor's table turns into elementwise code when a dimension is 1 (mv,
@@ -154,6 +155,7 @@ class Fp8fxBackend:
         fuse_epilogues: bool = True,
         kernels: str = "auto",
         monitor_every: int = 0,
+        saved_outputs: str = "bf16",
     ):
         if inner not in INNER_COMPILERS:
             raise ValueError(f"fp8fx.backend: inner must be one of {', '.join(INNER_COMPILERS)}, got {inner!r}")
@@ -161,8 +163,11 @@ class Fp8fxBackend:
             raise ValueError(f"fp8fx.backend: kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
         if kernels == "triton" and not triton_available():
             raise RuntimeError("fp8fx.backend(kernels='triton') needs Triton, which is not installed here; use kernels='auto'")
+        if saved_outputs not in SAVED_OUTPUTS:
+            raise ValueError(f"fp8fx.backend: saved_outputs must be one of {', '.join(SAVED_OUTPUTS)}, got {saved_outputs!r}")
         self.fuse_epilogues = fuse_epilogues
         self.kernels = kernels
+        self.saved_outputs = saved_outputs
         self.policy = policy = as_policy(policy, "fp8fx.backend")
         self.inner = inner
         self.graphs: list[GraphRecord] = []
@@ -269,7 +274,7 @@ class Fp8fxBackend:
         if self.monitor is not None or self.shadow is not None or self.numerics is not None:
             return None
         # Kernel choices also depend on whether Triton imports here and on the GPUs' measured tables.
-        options = {"policy": self.policy.to_dict(), "fuse_epilogues": self.fuse_epilogues, "kernels": self.kernels,
+        options = {"policy": self.policy.to_dict(), "fuse_epilogues": self.fuse_epilogues, "kernels": self.kernels, "saved_outputs": self.saved_outputs,
                    "overrides": sorted(self.overrides.items()), "triton": triton_available(), "tables": cache.tables_digest()}  # fmt: skip
         return cache.pass_key(options)
 
@@ -364,7 +369,7 @@ class Fp8fxBackend:
             tail = inputs[len(inputs) - len(BUFFERS) * len(state_keys) :]
             states = {key: tuple(tail[i * len(BUFFERS) : (i + 1) * len(BUFFERS)]) for i, key in enumerate(state_keys)}
             delayed = DelayedInputs(states, _amax_group_name(state))
-        ctx = PassContext(self.policy, self.fuse_epilogues, self.kernels, dict(self.overrides), param_inputs, taps, delayed)
+        ctx = PassContext(self.policy, self.fuse_epilogues, self.kernels, dict(self.overrides), param_inputs, taps, delayed, self.saved_outputs)
         gm = run_passes(gm, ctx, REWRITE_PASSES)
         index = len(self.graphs)
         ops = [OpRecord.make(index, kind, ann) for ann in annotations(gm.graph)]
@@ -478,6 +483,7 @@ def backend(
     fuse_epilogues: bool = True,
     kernels: str = "auto",
     monitor_every: int = 0,
+    saved_outputs: str = "bf16",
 ) -> Fp8fxBackend:
     """A configured backend: `torch.compile(model, backend=fp8fx.backend(policy="p.yaml"))`.
 
@@ -490,8 +496,15 @@ def backend(
     run it, through the launcher a GPU uses.
 
     `monitor_every=N` samples every FP8 cast's input every N calls (amax, scale, saturated,
-    underflowed and non-finite values; `fp8fx.stats(compiled)`); 0 leaves the monitor out."""
-    return Fp8fxBackend(policy=policy, inner=inner, keep_graphs=keep_graphs, fuse_epilogues=fuse_epilogues, kernels=kernels, monitor_every=monitor_every)
+    underflowed and non-finite values; `fp8fx.stats(compiled)`); 0 leaves the monitor out.
+
+    `saved_outputs` is what fp32 FP8-GEMM outputs that backward reads are kept as between forward
+    and backward: "bf16" (half the bytes; backward reads them rounded to BF16) or "high" (as
+    computed); see `fp8fx.passes.saved_outputs`."""
+    return Fp8fxBackend(
+        policy=policy, inner=inner, keep_graphs=keep_graphs, fuse_epilogues=fuse_epilogues, kernels=kernels,
+        monitor_every=monitor_every, saved_outputs=saved_outputs,
+    )  # fmt: skip
 
 
 def _find_backend(compiled: Any) -> Fp8fxBackend | None:

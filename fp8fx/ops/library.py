@@ -39,6 +39,19 @@ pad_groups = custom_op("fp8fx::pad_groups", reference.pad_groups, mutates_args=(
 fp8_grouped_mm = custom_op("fp8fx::fp8_grouped_mm", reference.fp8_grouped_mm, mutates_args=())
 
 
+@custom_op("fp8fx::saved_copy", mutates_args=())
+def saved_copy(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """`x` in `dtype`: the narrower copy of a GEMM output that backward reads
+    (fp8fx.passes.saved_outputs). An op of its own, not a dtype conversion, so that
+    min-cut partitioning sees a tensor worth saving rather than one to fuse and recompute."""
+    return x.to(dtype)
+
+
+@saved_copy.register_fake
+def _(x: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.empty_like(x, dtype=dtype)
+
+
 @custom_op("fp8fx::fp8_gemm", mutates_args=())
 def fp8_gemm(
     a: Tensor,

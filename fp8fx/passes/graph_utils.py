@@ -78,6 +78,9 @@ class PassContext:
     # Delayed scaling's state inputs; without them (planning a compile) the casts are made with
     # dynamic scales and only the states' keys are recorded.
     delayed: DelayedInputs | None = None
+    # What FP8 GEMM outputs that backward reads are saved as: "bf16" (fp32 outputs narrowed,
+    # fp8fx.passes.saved_outputs) or "high" (as computed).
+    saved_outputs: str = "bf16"
     # Handed on: the sites find_matmuls found, the GEMM nodes lower_patch_convs made (node -> the
     # op kind it was lowered from), and the delayed states insert_casts used (key -> history length).
     sites: list = field(default_factory=list)

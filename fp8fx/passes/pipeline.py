@@ -13,13 +13,21 @@ from fp8fx.passes.graph_utils import PassContext, PassResult
 from fp8fx.passes.insert_casts import insert_casts
 from fp8fx.passes.insert_probes import insert_probes
 from fp8fx.passes.lower_patch_convs import lower_patch_convs
+from fp8fx.passes.saved_outputs import saved_outputs
 from fp8fx.passes.verify import verify
 
 Pass = Callable[[fx.GraphModule, PassContext], PassResult]
 
 ANALYSIS_PASSES: tuple[Pass, ...] = (find_matmuls, assign_precision)
-REWRITE_PASSES: tuple[Pass, ...] = (lower_patch_convs, *ANALYSIS_PASSES, insert_probes, insert_casts, fuse_epilogues, verify)
-PLANNING_PASSES: tuple[Pass, ...] = (lower_patch_convs, *ANALYSIS_PASSES, insert_probes, insert_casts)  # to learn the delayed-scaling states
+REWRITE_PASSES: tuple[Pass, ...] = (
+    lower_patch_convs, *ANALYSIS_PASSES, insert_probes, insert_casts, fuse_epilogues, saved_outputs, verify
+)  # fmt: skip
+PLANNING_PASSES: tuple[Pass, ...] = (
+    lower_patch_convs,
+    *ANALYSIS_PASSES,
+    insert_probes,
+    insert_casts,
+)  # to learn the delayed-scaling states
 
 
 class PassError(RuntimeError):

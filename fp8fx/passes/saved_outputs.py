@@ -1,0 +1,104 @@
+"""saved_outputs: keep FP8 GEMMs' outputs for backward in BF16, not fp32.
+
+An fp32 model's FP8 GEMM still writes an fp32 output (and a fused epilogue's aux value), and the
+elementwise ops after it (a gated MLP's SiLU and product, an unfused activation) read it again in
+backward: autograd keeps the fp32 tensor alive from forward to backward. Here backward reads a
+copy instead, `convert(fp8fx::saved_copy(y, bf16), fp32)`, and replicas of those elementwise ops
+computed from it, so the partitioner (min-cut) saves the BF16 tensor and recomputes the rest in
+backward: half the bytes. (The narrowing is an op of its own: as a plain dtype conversion min-cut
+would fuse both conversions into backward and save the fp32 value.) Backward then sees the
+outputs rounded to BF16 (8 significant bits), far finer than the FP8 gradients they meet (E5M2:
+3); forward reads them unchanged. Backend option `saved_outputs="high"` turns this off.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from fp8fx.passes.annotation import annotation, fp8_gemm_nodes
+from fp8fx.passes.fuse_epilogues import RESHAPES, _is_backward
+from fp8fx.passes.graph_utils import PassContext, PassResult, add_node, fake_mode_of
+
+_CONVERT = torch.ops.prims.convert_element_type.default
+
+
+def _outputs(gemm: fx.Node) -> list[fx.Node]:
+    """The GEMM's output values and the reshapes of them (fp8_gemm: its output and the aux value
+    its fused epilogue keeps for backward, getitems 0 and 1)."""
+    if gemm.target == torch.ops.fp8fx.fp8_gemm.default:
+        first = [u for u in gemm.users if u.target is operator.getitem and u.args[1] in (0, 1)]
+    else:
+        first = [gemm]
+    found, todo = [], list(first)
+    while todo:
+        node = todo.pop()
+        found.append(node)
+        todo += [u for u in node.users if u.target in RESHAPES and not _is_backward(u)]
+    return found
+
+
+def _pointwise(node: fx.Node) -> bool:
+    return (
+        node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
+    )
+
+
+def _small_or_kept(node, size: int) -> bool:
+    """Whether backward may read `node` itself: a scalar or parameter-sized tensor, or a graph input."""
+    if not isinstance(node, fx.Node):
+        return True
+    val = node.meta.get("val")
+    return node.op == "placeholder" or not isinstance(val, torch.Tensor) or val.numel() * 8 <= size
+
+
+def saved_outputs(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    if ctx.saved_outputs == "high":
+        return PassResult(gm, modified=False)
+    graph, fake_mode = gm.graph, fake_mode_of(gm.graph)
+    wide: dict[fx.Node, fx.Node] = {}  # forward value -> what backward reads instead
+    for gemm in fp8_gemm_nodes(graph):
+        if _is_backward(gemm) or annotation(gemm).role != "output":
+            continue
+        for value in _outputs(gemm):
+            val = value.meta.get("val")
+            if not isinstance(val, torch.Tensor) or val.dtype != torch.float32:
+                continue
+            with graph.inserting_after(value):
+                low = add_node(graph, fake_mode, torch.ops.fp8fx.saved_copy.default, (value, torch.bfloat16), tag_from=value)
+            with graph.inserting_after(low):
+                wide[value] = add_node(graph, fake_mode, _CONVERT, (low, torch.float32), tag_from=value)
+    if not wide:
+        return PassResult(gm, modified=False)
+    # Forward elementwise functions of those outputs that backward reads (a gated MLP's SiLU and
+    # product) are recomputed for backward from the widened copies, so that nothing fp32 of the
+    # chain stays alive: backward reads replicas of them.
+    for node in list(graph.nodes):
+        if node in wide or _is_backward(node) or not _pointwise(node):
+            continue
+        inputs = [a for a in node.all_input_nodes]
+        size = node.meta["val"].numel() if isinstance(node.meta.get("val"), torch.Tensor) else 0
+        if not any(a in wide for a in inputs) or not all(a in wide or _small_or_kept(a, size) for a in inputs):
+            continue
+        if not any(_is_backward(u) for u in node.users):
+            continue
+        with graph.inserting_after(node):
+            replica = graph.node_copy(node, lambda a: wide.get(a, a))
+        wide[node] = replica
+    modified = False
+    for value, replacement in wide.items():
+        for user in list(value.users):
+            if _is_backward(user) and user is not replacement:
+                user.replace_input_with(value, replacement)
+                modified = True
+    for value, replacement in list(wide.items()):  # unused copies (no backward reader) go
+        if not replacement.users:
+            graph.erase_node(replacement)
+            low = replacement.args[0] if replacement.target == _CONVERT else None
+            if low is not None and not low.users:
+                graph.erase_node(low)
+    graph.lint()
+    gm.recompile()
+    return PassResult(gm, modified=modified)

@@ -1,0 +1,74 @@
+"""FP8 GEMM outputs that backward reads are kept in BF16 between forward and backward (and the
+elementwise ops after them recomputed from that copy): the bytes autograd keeps, the graphs'
+saved values, and the gradients against keeping them as computed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import GRAD_SQNR_DB, GatedBlock, sqnr
+
+import fp8fx
+
+ops = torch.ops.fp8fx
+
+
+def saved_by_dtype(model, x) -> dict[torch.dtype, int]:
+    """Bytes of the distinct non-parameter storages autograd keeps for backward, by dtype."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, tuple[int, torch.dtype]] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.dtype)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    out.square().sum().backward()
+    totals: dict[torch.dtype, int] = {}
+    for nbytes, dtype in seen.values():
+        totals[dtype] = totals.get(dtype, 0) + nbytes
+    return totals
+
+
+def run(saved: str, inner: str = "eager"):
+    torch.manual_seed(0)
+    model = GatedBlock(d=64, hidden=128)
+    x = torch.randn(4, 32, 64, requires_grad=True)
+    backend = fp8fx.backend(inner=inner, keep_graphs=True, saved_outputs=saved)
+    compiled = torch.compile(model, backend=backend)
+    compiled(x).square().sum().backward()  # compile
+    model.zero_grad()
+    x.grad = None
+    totals = saved_by_dtype(compiled, x)
+    grads = [x.grad, *(p.grad for p in model.parameters())]
+    model.zero_grad()
+    x.grad = None
+    model(x).square().sum().backward()  # fp32 reference
+    return backend, totals, [(g, r) for g, r in zip(grads, [x.grad, *(p.grad for p in model.parameters())])]
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_gemm_outputs_backward_reads_are_saved_in_bf16(inner):
+    _, high, high_grads = run("high", inner)
+    backend, bf16, grads = run("bf16", inner)
+    # GatedBlock keeps for backward fc's output (before GELU) and gate's and up's (SiLU x
+    # product), all fp32 GEMM outputs: 128 KiB as computed, half of it in BF16, no fp32 left
+    # but scalars (scales).
+    assert high.get(torch.bfloat16, 0) == 0 and high[torch.float32] >= 4 * 32 * (128 + 64 + 64) * 4
+    assert bf16.get(torch.float32, 0) < 1024
+    assert bf16[torch.bfloat16] * 2 <= high[torch.float32]
+    if inner == "eager":
+        forward = next(gm for kind, gm in backend.kept_graphs if kind == "forward")
+        assert sum(n.target == ops.saved_copy.default for n in forward.graph.nodes) >= 3
+    # BF16's 8 significant bits against the FP8 gradients they meet (E5M2: 3): the gradients'
+    # distance to fp32 does not change beyond the FP8 rounding noise (measured within 0.1 dB).
+    for (ours, ref), (theirs, _) in zip(grads, high_grads):
+        assert sqnr(ours, ref) > GRAD_SQNR_DB
+        assert sqnr(ours, ref) > sqnr(theirs, ref) - 0.5
+
+
+def test_saved_outputs_option_is_checked():
+    with pytest.raises(ValueError, match=r"saved_outputs must be one of bf16, high, got 'fp8'"):
+        fp8fx.backend(saved_outputs="fp8")
