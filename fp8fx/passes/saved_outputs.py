@@ -41,9 +41,10 @@ def _outputs(gemm: fx.Node) -> list[fx.Node]:
 
 
 def _pointwise(node: fx.Node) -> bool:
-    return (
-        node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
-    )
+    """An elementwise op that gives the same result when recomputed (not a random one)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    return torch.Tag.pointwise in node.target.tags and torch.Tag.nondeterministic_seeded not in node.target.tags
 
 
 def _small_or_kept(node, size: int) -> bool:
@@ -78,7 +79,7 @@ def saved_outputs(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for node in list(graph.nodes):
         if node in wide or _is_backward(node) or not _pointwise(node):
             continue
-        inputs = [a for a in node.all_input_nodes]
+        inputs = node.all_input_nodes
         size = node.meta["val"].numel() if isinstance(node.meta.get("val"), torch.Tensor) else 0
         if not any(a in wide for a in inputs) or not all(a in wide or _small_or_kept(a, size) for a in inputs):
             continue
@@ -93,7 +94,7 @@ def saved_outputs(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             if _is_backward(user) and user is not replacement:
                 user.replace_input_with(value, replacement)
                 modified = True
-    for value, replacement in list(wide.items()):  # unused copies (no backward reader) go
+    for value, replacement in reversed(list(wide.items())):  # copies no backward reads go, replicas first
         if not replacement.users:
             graph.erase_node(replacement)
             low = replacement.args[0] if replacement.target == _CONVERT else None
