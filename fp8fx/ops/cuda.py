@@ -206,8 +206,8 @@ def _grouped_triton(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, form, scale
 
 
 def fp8_grouped_mm_cpu(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, block_a, block_b, fast_accum=False) -> Tensor:
-    """`fp8fx::fp8_grouped_mm` on CPU tensors: under Triton's interpreter the generated grouped kernel
-    wherever it takes the scales, as a GPU runs it; else the exact emulation."""
+    """`fp8fx::fp8_grouped_mm` on CPU tensors: under Triton's interpreter the generated grouped kernel,
+    as a GPU runs it; else the exact emulation."""
     form, scales = reference.check_grouped_args(a, b, scale_inv_a, scale_inv_b, offs, block_a, block_b)
     if interpreter_active():
         return _grouped_triton(a, b, scale_inv_a, scale_inv_b, offs, out_dtype, form, scales, fast_accum)
