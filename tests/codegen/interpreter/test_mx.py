@@ -130,10 +130,8 @@ def test_mxfp8_training_step_runs_the_block_scaled_kernel(monkeypatch):
     grad_weight of two Linears) launch the mx family, and the step equals the same step on the
     exact emulation (measured SQNR 158-178 dB: only fp32 summation order differs; 60 dB leaves room
     for one FP8 value rounded the other way where the next cast happens)."""
-    from test_shapes import Mlp
+    from test_shapes import kernel_and_emulated_steps
 
-    import fp8fx
-    import fp8fx.ops.cuda
     from fp8fx.codegen import dispatch
 
     families = []
@@ -143,20 +141,9 @@ def test_mxfp8_training_step_runs_the_block_scaled_kernel(monkeypatch):
         return families[-1]
 
     monkeypatch.setattr(launch, "gemm_family", recorded)
-    torch.manual_seed(0)
-    model, x = Mlp(64, 128), torch.randn(2, 40, 64)
-    results = []
-    for emulated in (False, True):
-        if emulated:  # the CPU op's other path: the reference, which it runs without the interpreter
-            monkeypatch.setattr(fp8fx.ops.cuda, "interpreter_active", lambda: False)
-        m = Mlp(64, 128)
-        m.load_state_dict(model.state_dict())
-        xi = x.clone().requires_grad_()
-        backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe("mxfp8"), inner="eager", kernels="triton")
-        torch.compile(m, backend=backend)(xi).square().sum().backward()
-        assert len(fp8fx.report(backend).fp8_ops) == 6
-        results.append([xi.grad, m.up.weight.grad, m.down.weight.grad])
-        torch._dynamo.reset()
+    results = kernel_and_emulated_steps("mxfp8", monkeypatch)
+    assert all(len(report.fp8_ops) == 6 for _, report in results)
     assert families == ["mx"] * 6
-    for ours, ref in zip(*results):
+    (kernel_grads, _), (emulated_grads, _) = results
+    for ours, ref in zip(kernel_grads, emulated_grads):
         assert sqnr(ours, ref) >= 60

@@ -107,10 +107,7 @@ def test_nvfp4_training_step_runs_the_fp4_kernel(monkeypatch):
     every FP4 GEMM goes through the GPU dispatch to the NVFP4 kernel, and the step equals the same
     step on the exact emulation (measured 129-138 dB: only fp32 summation order differs; 60 dB leaves
     room for an FP4 value rounded the other way at the next cast)."""
-    from test_shapes import Mlp
-
-    import fp8fx
-    import fp8fx.ops.cuda
+    from test_shapes import kernel_and_emulated_steps
 
     launched = []
     real = launch.nvfp4_gemm
@@ -120,22 +117,8 @@ def test_nvfp4_training_step_runs_the_fp4_kernel(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(launch, "nvfp4_gemm", recorded)
-    torch.manual_seed(0)
-    model, x = Mlp(64, 128), torch.randn(2, 40, 64)
-    results = []
-    for emulated in (False, True):
-        if emulated:  # the CPU op's other path: the reference, which it runs without the interpreter
-            monkeypatch.setattr(fp8fx.ops.cuda, "interpreter_active", lambda: False)
-        m = Mlp(64, 128)
-        m.load_state_dict(model.state_dict())
-        xi = x.clone().requires_grad_()
-        backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe("nvfp4"), inner="eager", kernels="triton")
-        torch.manual_seed(1)  # the same stochastic rounding in both runs
-        torch.compile(m, backend=backend)(xi).square().sum().backward()
-        ops = fp8fx.report(backend).fp8_ops
-        assert len(ops) == 6 and all(op.gpu_kernel == "nvfp4" for op in ops)
-        results.append([xi.grad, m.up.weight.grad, m.down.weight.grad])
-        torch._dynamo.reset()
+    (kernel_grads, report), (emulated_grads, _) = kernel_and_emulated_steps("nvfp4", monkeypatch)
+    assert len(report.fp8_ops) == 6 and all(op.gpu_kernel == "nvfp4" for op in report.fp8_ops)
     assert len(launched) == 6 and {(1, 16, 16, 16), (1, 16, 16, 1)} <= set(launched)  # weight and wgrad blocks
-    for ours, ref in zip(*results):
+    for ours, ref in zip(kernel_grads, emulated_grads):
         assert sqnr(ours, ref) >= 60

@@ -60,9 +60,25 @@ def test_launcher_takes_any_shape_and_layout(shape, blocks, layout_a, layout_b, 
     a, b = laid_out(a, layout_a), laid_out(b, layout_b)
     ep = fp8fx.codegen.variants.Epilogue(bias=True, activation="gelu")
     bias = torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
-    out, _, _ = launch.fp8_gemm(a, b, sa, sb, block_a=block_a, block_b=block_b, epilogue=ep, bias=bias, out_dtype=torch.float32, family=family)
+    out, _, _ = launch.fp8_gemm(
+        a, b, sa, sb, block_a=block_a, block_b=block_b, epilogue=ep, bias=bias, out_dtype=torch.float32, family=family
+    )
     ref, _, _ = reference.fp8_gemm(
-        a.contiguous(), b.contiguous(), sa, sb, bias, None, None, None, torch.float32, torch.float32, list(block_a), list(block_b), ep.spec(), "scaled_mm", False
+        a.contiguous(),
+        b.contiguous(),
+        sa,
+        sb,
+        bias,
+        None,
+        None,
+        None,
+        torch.float32,
+        torch.float32,
+        list(block_a),
+        list(block_b),
+        ep.spec(),
+        "scaled_mm",
+        False,
     )
     close_as(out, ref)
 
@@ -85,6 +101,29 @@ class Mlp(nn.Module):
 
     def forward(self, x):
         return self.down(nn.functional.gelu(self.up(x)))
+
+
+def kernel_and_emulated_steps(recipe: str, monkeypatch) -> list[tuple[list, fp8fx.Report]]:
+    """One fwd + bwd of the same Mlp(64, 128) under `recipe` with kernels="triton": first through
+    the generated kernels (the interpreter), then on the exact emulation (the CPU op's other path).
+    [(grads of input, up and down weights, report)] for both runs, same seeds."""
+    import fp8fx.ops.cuda
+
+    torch.manual_seed(0)
+    model, x = Mlp(64, 128), torch.randn(2, 40, 64)
+    runs = []
+    for emulated in (False, True):
+        if emulated:
+            monkeypatch.setattr(fp8fx.ops.cuda, "interpreter_active", lambda: False)
+        m = Mlp(64, 128)
+        m.load_state_dict(model.state_dict())
+        xi = x.clone().requires_grad_()
+        backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="eager", kernels="triton")
+        torch.manual_seed(1)  # the same stochastic rounding (NVFP4) in both runs
+        torch.compile(m, backend=backend)(xi).square().sum().backward()
+        runs.append(([xi.grad, m.up.weight.grad, m.down.weight.grad], fp8fx.report(backend)))
+        torch._dynamo.reset()
+    return runs
 
 
 def input_in_layout(batch: int, tokens: int, d: int, layout: str, seed: int) -> torch.Tensor:
