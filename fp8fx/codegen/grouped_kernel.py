@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fp8fx.codegen.triton_kernels import dot_accumulate, e8m0, tile_position
+from fp8fx.codegen.triton_kernels import dot_accumulate, mx_dot, tile_position
 
 
 @triton.jit
@@ -73,9 +73,9 @@ def fp8_grouped_gemm_kernel(
     stride_on,
     stride_sa_g,
     stride_sa_row,
+    stride_sa_k,
     stride_sb_g,
     stride_sb_col,
-    stride_sa_k,
     stride_sb_k,
     K_GROUPED: tl.constexpr,
     FAST_ACCUM: tl.constexpr,
@@ -135,9 +135,7 @@ def fp8_grouped_gemm_kernel(
                     in_k = (kbs < tl.cdiv(K, K_BLOCK))[None, :]
                     sa = tl.load(sa_ptrs[:, None] + kbs[None, :] * stride_sa_k, mask=in_k, other=1.0)
                     sb = tl.load(sb_ptrs[:, None] + kbs[None, :] * stride_sb_k, mask=in_k, other=1.0)
-                    A_FORMAT: tl.constexpr = "e5m2" if a.dtype == tl.float8e5 else "e4m3"
-                    B_FORMAT: tl.constexpr = "e5m2" if b.dtype == tl.float8e5 else "e4m3"
-                    acc = tl.dot_scaled(a, e8m0(sa), A_FORMAT, b, e8m0(sb), B_FORMAT, acc)
+                    acc = mx_dot(a, sa, b, sb, acc)
                 elif K_BLOCK != 0:
                     kb = k0 // K_BLOCK
                     sa = tl.load(sa_ptrs + kb * stride_sa_k)

@@ -62,6 +62,14 @@ def _check_shape(name: str, t: Tensor, shape: tuple) -> None:
         raise ValueError(f"fp8fx FP8 GEMM: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
+def _check_scales(what: str, *scales: tuple[str, Tensor, Tensor, tuple]) -> None:
+    """Each (name, scale inverses, operand, block): fp32, one per block of the operand."""
+    for name, s, x, block in scales:
+        expected = tuple(scale_shape(x.shape, block))
+        if s.dtype != torch.float32 or tuple(s.shape) != expected:
+            raise ValueError(f"{what}: {name} must be fp32 of shape {expected} for block {block}, got {s.dtype} {tuple(s.shape)}")
+
+
 def _scale_strides(scale: Tensor, block: tuple) -> tuple[int, int]:
     return (0, 0) if not block else (scale.stride(-2), scale.stride(-1))
 
@@ -111,15 +119,16 @@ def _kernel(family: str):
     return fp8_gemm_tma_kernel, set_block_shapes
 
 
+def _triton_configs(configs, pre_hook=None) -> list:
+    return [triton.Config(c.constexprs(), num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=pre_hook) for c in configs]
+
+
 @functools.cache
 def autotuner(target: str, family: str, variant: GemmVariant):
     """The autotuner of one variant on one target: over the target's configs for it, keyed on
     (M bucket, N, K). The same construction serves GPUs and the interpreter."""
     kernel, pre_hook = _kernel(family)
-    configs = [
-        triton.Config(c.constexprs(), num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=pre_hook)
-        for c in configs_for(target, variant, family)
-    ]
+    configs = _triton_configs(configs_for(target, variant, family), pre_hook)
     if not configs:
         raise ValueError(f"fp8fx: no {family} tile config of {target} fits variant {variant.name}")
     return triton.autotune(configs=configs, key=["M_BUCKET", "N", "K"])(kernel)
@@ -171,11 +180,7 @@ def fp8_gemm(
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"fp8fx FP8 GEMM: needs 2-D [M, K] @ [K, N], got {tuple(a.shape)} @ {tuple(b.shape)}")
     (m, k), n = a.shape, b.shape[1]
-    for name, s, shape, block in (("scale_inv_a", scale_inv_a, a.shape, block_a), ("scale_inv_b", scale_inv_b, b.shape, block_b)):
-        if s.dtype != torch.float32 or tuple(s.shape) != tuple(scale_shape(shape, block)):
-            raise ValueError(
-                f"fp8fx FP8 GEMM: {name} must be fp32 of shape {tuple(scale_shape(shape, block))} for block {block}, got {s.dtype} {tuple(s.shape)}"
-            )
+    _check_scales("fp8fx FP8 GEMM", ("scale_inv_a", scale_inv_a, a, block_a), ("scale_inv_b", scale_inv_b, b, block_b))
     for name, t, wanted, shape in (
         ("bias", bias, epilogue.bias, (n,)),
         ("other", other, epilogue.mul != "none", (m, n)),
@@ -250,8 +255,7 @@ def nvfp4_autotuner(target: str):
         )
     if target == "interpreter":
         _interpreter_reads_e4m3_scales()
-    configs = [triton.Config(c.constexprs(), num_warps=c.num_warps, num_stages=c.num_stages) for c in NVFP4_CONFIGS[target]]
-    return triton.autotune(configs=configs, key=["M_BUCKET", "N", "K_BYTES"])(nvfp4_gemm_kernel)
+    return triton.autotune(configs=_triton_configs(NVFP4_CONFIGS[target]), key=["M_BUCKET", "N", "K_BYTES"])(nvfp4_gemm_kernel)
 
 
 def _interpreter_reads_e4m3_scales() -> None:
@@ -323,11 +327,7 @@ def nvfp4_gemm(
             f"fp8fx NVFP4 GEMM: blocks must be (1, 16) or (16, 16) for A and (16, 1) or (16, 16) for B, got {block_a} x {block_b}"
         )
     (m, k), n = a.shape, b.shape[1]
-    for name, s, shape, block in (("scale_inv_a", scale_inv_a, a.shape, block_a), ("scale_inv_b", scale_inv_b, b.shape, block_b)):
-        if s.dtype != torch.float32 or tuple(s.shape) != tuple(scale_shape(shape, block)):
-            raise ValueError(
-                f"fp8fx NVFP4 GEMM: {name} must be fp32 of shape {tuple(scale_shape(shape, block))} for block {block}, got {s.dtype} {tuple(s.shape)}"
-            )
+    _check_scales("fp8fx NVFP4 GEMM", ("scale_inv_a", scale_inv_a, a, block_a), ("scale_inv_b", scale_inv_b, b, block_b))
     kernel = nvfp4_autotuner(device_target(device))
     out = torch.empty((m, n), dtype=out_dtype, device=device)
     if m == 0 or n == 0:
@@ -352,8 +352,9 @@ def grouped_autotuner(target: str, variant: GroupedVariant):
     lengths (one of them is the token count), N and the group count."""
     from fp8fx.codegen.grouped_kernel import fp8_grouped_gemm_kernel
 
-    configs = [triton.Config(c.constexprs(), num_warps=c.num_warps, num_stages=c.num_stages) for c in variant.configs(target)]
-    return triton.autotune(configs=configs, key=["M_BUCKET", "N", "K_BUCKET", "G"])(fp8_grouped_gemm_kernel)
+    return triton.autotune(configs=_triton_configs(variant.configs(target)), key=["M_BUCKET", "N", "K_BUCKET", "G"])(
+        fp8_grouped_gemm_kernel
+    )
 
 
 def _grouped_scale_strides(
@@ -385,12 +386,7 @@ def _k_block_scales(scale_a: Tensor, scale_b: Tensor, block_a: tuple, block_b: t
         raise ValueError(
             f"fp8fx grouped FP8 GEMM: blocks along K are (1, kb) for a with (kb, 1) or, for a 3-D b, (kb, kb) for b; got {block_a} x {block_b}"
         )
-    for name, s, x, block in (("scale_a", scale_a, a, block_a), ("scale_b", scale_b, b, block_b)):
-        expected = tuple(scale_shape(x.shape, block))
-        if s.dtype != torch.float32 or tuple(s.shape) != expected:
-            raise ValueError(
-                f"fp8fx grouped FP8 GEMM: {name} must be fp32 of shape {expected} for block {block}, got {s.dtype} {tuple(s.shape)}"
-            )
+    _check_scales("fp8fx grouped FP8 GEMM", ("scale_a", scale_a, a, block_a), ("scale_b", scale_b, b, block_b))
     sb_group = scale_b.stride(0) if b.dim() == 3 else 0
     return k_block, b_cols, ((0, scale_a.stride(0), scale_a.stride(1)), (sb_group, scale_b.stride(-1), scale_b.stride(-2)))
 
@@ -469,8 +465,8 @@ def grouped_fp8_gemm(
     kernel = grouped_autotuner(target, variant)
     kernel[grid](
         a, bt, out, scale_a, scale_b, offs, groups, m, n, k, m_bucket(m), m_bucket(k),
-        a.stride(0), a.stride(1), b_group_stride, bt.stride(-1), bt.stride(-2), *out_strides, *sa_strides[:2], *sb_strides[:2],
-        sa_strides[2], sb_strides[2], **variant.constexprs(),
+        a.stride(0), a.stride(1), b_group_stride, bt.stride(-1), bt.stride(-2), *out_strides, *sa_strides, *sb_strides,
+        **variant.constexprs(),
     )  # fmt: skip
     return out
 

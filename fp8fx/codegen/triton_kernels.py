@@ -224,7 +224,7 @@ MX_BLOCK = tl.constexpr(recipes.MX_BLOCK)  # one E8M0 scale per 32 elements alon
 
 
 @triton.jit
-def e8m0(scale_inv):
+def _e8m0(scale_inv):
     """The E8M0 code of a power-of-two fp32 scale inverse: its exponent field. 2**-127 (subnormal
     in fp32) has field 0, which is E8M0's 2**-127, and so has a flushed 0 (a block of zeros)."""
     return ((scale_inv.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
@@ -246,9 +246,16 @@ def _mx_dot(
     sb = tl.load(
         scale_b_ptr + offs_n[:, None] * stride_sb_col + kb[None, :] * stride_sb_k, mask=mask_n[:, None] & in_k[None, :], other=1.0
     )
+    return mx_dot(a, sa, b, sb, acc)
+
+
+@triton.jit
+def mx_dot(a, sa, b, sb, acc):
+    """acc += (a * sa) @ (b * sb) on block-scaled tensor cores: a [M, K], b [K, N] FP8, sa [M, K / 32]
+    and sb [N, K / 32] fp32 power-of-two scale inverses, handed over as their E8M0 codes."""
     A_FORMAT: tl.constexpr = "e5m2" if a.dtype == tl.float8e5 else "e4m3"
     B_FORMAT: tl.constexpr = "e5m2" if b.dtype == tl.float8e5 else "e4m3"
-    return tl.dot_scaled(a, e8m0(sa), A_FORMAT, b, e8m0(sb), B_FORMAT, acc)
+    return tl.dot_scaled(a, _e8m0(sa), A_FORMAT, b, _e8m0(sb), B_FORMAT, acc)
 
 
 @triton.jit

@@ -95,11 +95,6 @@ class GemmVariant:
         """MX (OCP Microscaling) blocks: 1 x 32 along K for A, 32 x 1 for B, power-of-two scales."""
         return self.block_a == (1, MX_BLOCK) and self.block_b == (MX_BLOCK, 1)
 
-    @property
-    def nvfp4(self) -> bool:
-        """NVFP4 blocks: 16 along K (1 x 16 for activations, 16 x 16 for weights), E4M3 scales."""
-        return nvfp4_blocks(self.block_a, self.block_b)
-
     def with_epilogue(self, **changes) -> GemmVariant:
         return replace(self, epilogue=replace(self.epilogue, **changes))
 

@@ -11,7 +11,7 @@ import torch
 
 from fp8fx.codegen import launch
 from fp8fx.codegen.targets import build_grouped
-from fp8fx.codegen.variants import GROUPED_CONFIGS, TARGETS, GroupedVariant
+from fp8fx.codegen.variants import GROUPED_BLOCK_SCALED_TARGETS, GROUPED_CONFIGS, TARGETS, GroupedVariant
 
 E4M3 = torch.float8_e4m3fn
 FP8_MMA = {"sm_90a": "wgmma.mma_async.sync.aligned.", "sm_100a": "tcgen05.mma.cta_group::1.kind::f8f6f4"}
@@ -73,10 +73,14 @@ def test_every_grouped_config_builds():
 def test_grouped_autotuner_builds_for_every_target():
     """Each config names the kernel's tile constexprs, which with the variant's fill every
     constexpr parameter; the interpreter has one config (it never benchmarks)."""
+    block_scaled = [
+        GroupedVariant(torch.float8_e5m2, E4M3, k_grouped, k_block=32, block_scaled=True) for k_grouped in (False, True)
+    ]
     for target in TARGETS:
-        for k_grouped in (False, True):
-            variant = GroupedVariant(E4M3, E4M3, k_grouped)
+        variants = [GroupedVariant(E4M3, E4M3, k_grouped) for k_grouped in (False, True)] + K_BLOCK_VARIANTS
+        for variant in variants + (block_scaled if target in GROUPED_BLOCK_SCALED_TARGETS else []):
             tuner = launch.grouped_autotuner(target, variant)
+            assert tuner.configs, (target, variant.name)
             assert tuner is launch.grouped_autotuner(target, variant)
             constexprs = {p.name for p in tuner.fn.params if p.is_constexpr}
             required = {p.name for p in tuner.fn.params if p.is_constexpr and p.default is inspect.Parameter.empty}

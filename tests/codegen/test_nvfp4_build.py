@@ -10,9 +10,7 @@ import torch
 
 from fp8fx.codegen.launch import nvfp4_autotuner
 from fp8fx.codegen.targets import build_nvfp4
-from fp8fx.codegen.variants import GPU_TARGETS, NVFP4_CONFIGS, GemmVariant
-
-E4M3 = torch.float8_e4m3fn
+from fp8fx.codegen.variants import GPU_TARGETS, NVFP4_CONFIGS, nvfp4_blocks
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
@@ -32,5 +30,19 @@ def test_nvfp4_gemm_is_refused_without_fp4_tensor_cores(target):
 
 
 def test_nvfp4_blocks_are_recognised():
-    assert GemmVariant(E4M3, E4M3, (1, 16), (16, 16)).nvfp4 and GemmVariant(E4M3, E4M3, (16, 16), (16, 1)).nvfp4
-    assert not GemmVariant(E4M3, E4M3, (1, 32), (32, 1)).nvfp4 and not GemmVariant(E4M3, E4M3, (1, 16), (32, 1)).nvfp4
+    assert nvfp4_blocks((1, 16), (16, 16)) and nvfp4_blocks((16, 16), (16, 1))
+    assert not nvfp4_blocks((1, 32), (32, 1)) and not nvfp4_blocks((1, 16), (32, 1))
+
+
+@pytest.mark.parametrize("target", list(NVFP4_CONFIGS))
+def test_nvfp4_autotuner_builds_where_it_runs(target):
+    """What the first NVFP4 GEMM on a Blackwell GPU builds before it runs (and the interpreter's):
+    the configs name exactly the kernel's tile constexprs; the interpreter has one (it never
+    benchmarks)."""
+    tuner = nvfp4_autotuner(target)
+    assert tuner is nvfp4_autotuner(target) and tuner.keys == ["M_BUCKET", "N", "K_BYTES"]
+    constexprs = {p.name for p in tuner.fn.params if p.is_constexpr}
+    assert [c.kwargs for c in tuner.configs] == [c.constexprs() for c in NVFP4_CONFIGS[target]]
+    assert all(set(c.kwargs) == constexprs for c in tuner.configs)
+    if target == "interpreter":
+        assert len(tuner.configs) == 1
