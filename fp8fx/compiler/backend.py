@@ -194,24 +194,6 @@ class Fp8fxBackend:
         return f"Fp8fxBackend(inner={self.inner!r}, policy={self.policy.source or 'built-in'}, graphs={len(self.graphs)})"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]):
-        positions = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.nn.Parameter)]
-        return self._recording_params(self._compile(gm, example_inputs), positions)
-
-    def _recording_params(self, fn, positions: list[int]):
-        """`fn`, adding the parameters each call passes (at `positions`) to `params_seen`."""
-        seen = self.params_seen
-
-        def run(*args):
-            boxed = len(args) == 1 and isinstance(args[0], list)  # (a boxed call passes one list, which fn clears)
-            given = args[0] if boxed else args
-            for i in positions:
-                seen[id(given[i])] = given[i]
-            return fn(*args)
-
-        run._boxed_call = getattr(fn, "_boxed_call", False)
-        return run
-
-    def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]):
         compile_id = CompileContext.current_compile_id()
         origin = DynamoGraph(compile_id) if compile_id is not None and compile_id.frame_id is not None else None
         if self.shadow is None:
@@ -294,7 +276,7 @@ class Fp8fxBackend:
         compile_fn = self._compile_eager if self.inner == "eager" else self._compile_inductor
         plan = self._plan_delayed_states(gm, example_inputs, frozenset(positions)) if self.policy.uses_delayed_scaling else {}
         if not plan:
-            return compile_fn(gm, example_inputs, rewrite)
+            return self._recording_params(compile_fn(gm, example_inputs, rewrite), positions)
         # Delayed scaling: the states become extra graph inputs, passed on every call (looked up
         # by name each time, so a load_state_dict(assign=True) is picked up too). Dynamo runs one
         # graph for every instance of a module compiled alone (each block), so the states are
@@ -327,6 +309,20 @@ class Fp8fxBackend:
         def run(*args):
             return compiled(*args, *states([args[i] for i in positions]))
 
+        return self._recording_params(run, positions)
+
+    def _recording_params(self, fn, positions: list[int]):
+        """`fn`, adding the parameters each call passes (at `positions`) to `params_seen`."""
+        seen = self.params_seen
+
+        def run(*args):
+            boxed = len(args) == 1 and isinstance(args[0], list)  # (a boxed call passes one list, which fn clears)
+            given = args[0] if boxed else args
+            for i in positions:
+                seen[id(given[i])] = given[i]
+            return fn(*args)
+
+        run._boxed_call = getattr(fn, "_boxed_call", False)
         return run
 
     def _plan_delayed_states(self, gm: fx.GraphModule, example_inputs: list[Any], param_inputs: frozenset[int]) -> dict[str, int]:

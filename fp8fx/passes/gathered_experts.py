@@ -22,7 +22,6 @@ import torch
 from torch import fx
 
 from fp8fx.core.policy import Policy
-from fp8fx.core.recipes import Precision
 from fp8fx.passes.assign_precision import grouped_settings_problem, policy_decision
 from fp8fx.passes.find_matmuls import module_fqn
 
@@ -112,7 +111,7 @@ def rewrite_gathered_experts(gm: fx.GraphModule, policy: Policy) -> int:
         n, k = (w.shape[2], w.shape[1]) if transposed else (w.shape[1], w.shape[2])
         roles = ("input", "weight")
         decision = policy_decision(policy, (module_fqn(bmm),), "grouped_mm", "output", roles, (n, k), grouped_settings_problem)
-        if decision.precision is not Precision.FP8:
+        if not decision.fp8:
             continue
         gather = bmm.args[1 if transposed else 0]
         with gm.graph.inserting_before(bmm):
