@@ -1,13 +1,16 @@
-"""Shared test helpers: SQNR, compiling with the rewritten graphs kept, small models."""
+"""Shared test helpers: SQNR, compiling with the rewritten graphs kept, policy errors, small models."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 from torch import fx, nn
 
 import fp8fx
+from fp8fx.core.policy import PolicyError
+from fp8fx.core.policy_yaml import policy_from_yaml
 
 # Bounds for tensorwise HYBRID scaling on tiny models (hidden 64): outputs measure 25-28 dB,
 # weight gradients 18-27 dB. E5M2 gradients carry 2 mantissa bits, so 15 dB is the honest floor.
@@ -22,6 +25,15 @@ def sqnr(actual: torch.Tensor, reference: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB of `actual` against `reference`."""
     actual, reference = actual.double(), reference.double()
     return (20 * torch.log10(reference.norm() / (actual - reference).norm())).item()
+
+
+def assert_policy_yaml_error(text: str, key_path: str, line: int, fragment: str) -> None:
+    """`text` as a policy file fails with one line naming `key_path` at `line` and saying `fragment`."""
+    with pytest.raises(PolicyError) as info:
+        policy_from_yaml(text, source="p.yaml")
+    e = info.value
+    assert (e.key_path, e.line) == (key_path, line), str(e)
+    assert fragment in str(e) and "\n" not in str(e)
 
 
 def count(gm: fx.GraphModule, target) -> int:
@@ -80,7 +92,9 @@ class GatedBlock(nn.Module):
 def tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     return GPT2LMHeadModel(cfg)
 
 

@@ -19,7 +19,7 @@ from fp8fx.core.policy import Policy, PolicyError, Rule, Settings
 from fp8fx.core.policy_yaml import policy_from_yaml
 from fp8fx.core.recipes import GRANULARITIES, RECIPES, Granularity, ScaleRounding
 from fp8fx.ops import reference
-from tests.helpers import compile_captured, sqnr
+from tests.helpers import assert_policy_yaml_error, compile_captured, sqnr
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
@@ -325,11 +325,7 @@ def test_policy_yaml_mxfp8():
     ],
 )
 def test_policy_yaml_scale_rounding_errors(text, key_path, line, fragment):
-    with pytest.raises(PolicyError) as info:
-        policy_from_yaml(text, source="p.yaml")
-    e = info.value
-    assert (e.key_path, e.line) == (key_path, line)
-    assert fragment in str(e) and "\n" not in str(e)
+    assert_policy_yaml_error(text, key_path, line, fragment)
 
 
 def test_python_api_scale_rounding_errors():

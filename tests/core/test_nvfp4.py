@@ -22,7 +22,7 @@ from fp8fx.core.formats import Fp8Format
 from fp8fx.core.policy import Policy, PolicyError, Rule, Settings
 from fp8fx.core.policy_yaml import policy_from_yaml
 from fp8fx.core.recipes import GRANULARITIES, RECIPES, Granularity, Hadamard
-from tests.helpers import compile_captured, sqnr
+from tests.helpers import assert_policy_yaml_error, compile_captured, sqnr
 
 ops = torch.ops.fp8fx
 ASSETS = Path(__file__).parents[1] / "assets"
@@ -504,11 +504,7 @@ def test_policy_yaml_nvfp4():
     ],
 )
 def test_policy_yaml_nvfp4_errors(text, key_path, line, fragment):
-    with pytest.raises(PolicyError) as info:
-        policy_from_yaml(text, source="p.yaml")
-    e = info.value
-    assert (e.key_path, e.line) == (key_path, line), str(e)
-    assert fragment in str(e) and "\n" not in str(e)
+    assert_policy_yaml_error(text, key_path, line, fragment)
 
 
 def test_python_api_nvfp4_errors():
