@@ -17,7 +17,7 @@ from torch import Tensor
 
 from fp8fx.core import grouped, scaling
 from fp8fx.core.epilogue import ACTIVATIONS, Epilogue
-from fp8fx.core.formats import fp8_format_of, saturating_cast
+from fp8fx.core.formats import fp8_format_of, saturating_cast, upcast
 from fp8fx.core.scaling import block_dims, scale_shape
 
 
@@ -91,7 +91,7 @@ def scaled_mm(
     The CPU accumulates in fp32 whatever `fast_accum` (for Hopper's FP8 accumulator) says."""
     check_scaled_mm_args(a, b, scale_inv_a, scale_inv_b, block_a, block_b)
     if not block_a and not block_b:  # tensorwise: one GEMM, one scaling of the result
-        out = torch.matmul(a.to(torch.float32), b.to(torch.float32)).mul_(scale_inv_a * scale_inv_b)
+        out = torch.matmul(upcast(a), upcast(b)).mul_(scale_inv_a * scale_inv_b)
     else:
         sa, block_a = _as_blocks(scale_inv_a, block_a)
         sb, block_b = _as_blocks(scale_inv_b, block_b)
@@ -106,9 +106,7 @@ def scaled_mm(
         sa, sb = sa.expand(*sa.shape[:-1], n_k), sb.expand(*sb.shape[:-2], n_k, sb.shape[-1])
         out = None
         for i, start in enumerate(range(0, k, k_block)):
-            part = torch.matmul(
-                a[..., start : start + k_block].to(torch.float32), b[..., start : start + k_block, :].to(torch.float32)
-            )
+            part = torch.matmul(upcast(a[..., start : start + k_block]), upcast(b[..., start : start + k_block, :]))
             part.mul_(sa[..., i : i + 1]).mul_(sb[..., i : i + 1, :])
             out = part if out is None else out.add_(part)
     if bias is not None:
