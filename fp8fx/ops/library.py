@@ -52,6 +52,20 @@ def _(x: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.empty_like(x, dtype=dtype)
 
 
+@custom_op("fp8fx::scale_inverse", mutates_args=())
+def scale_inverse(scale: Tensor) -> Tensor:
+    """`1 / scale`, the scale inverse a GEMM applies to its product. An op of its own, not
+    `aten.reciprocal`: Inductor cannot fuse a reciprocal of a scale into the GEMM ops that read it,
+    so it compiled the graph's reciprocals into kernels of their own (one more C++ or Triton build
+    per graph, a second or so each, for a few scalars of work)."""
+    return scale.reciprocal()
+
+
+@scale_inverse.register_fake
+def _(scale: Tensor) -> Tensor:
+    return torch.empty_like(scale)
+
+
 @custom_op("fp8fx::fp8_gemm", mutates_args=())
 def fp8_gemm(
     a: Tensor,

@@ -130,7 +130,7 @@ class _Inserter:
                 tap_args = (scale, [x], self.ctx.taps.monitor, Monitor.tap_key(state_key, fmt, block))
                 scale = self.add(fp8fx_ops.tap.default, tap_args, tag_from=tag_from)
             fp8 = self.add(fp8fx_ops.cast.default, (x, scale, fmt.dtype, block), tag_from=tag_from)
-            scale_inv = self.add(aten.reciprocal.default, (scale,), tag_from=tag_from)
+            scale_inv = self.add(fp8fx_ops.scale_inverse.default, (scale,), tag_from=tag_from)
         if state is not None:
             with self.graph.inserting_before(self.output):  # after every read of the old values
                 for old, new in zip(state, new_state):
@@ -202,7 +202,7 @@ class _Inserter:
                     fp8fx_ops.amax_to_scale.default, (amax, spec.fmt.max, spec.margin, spec.power_of_two), tag_from=gemm
                 )
                 fp8 = self.add(fp8fx_ops.grouped_cast.default, (root, scale, offs, dim, spec.fmt.dtype), tag_from=gemm)
-                self.cache[key] = Quantized(fp8, self.add(aten.reciprocal.default, (scale,), tag_from=gemm))
+                self.cache[key] = Quantized(fp8, self.add(fp8fx_ops.scale_inverse.default, (scale,), tag_from=gemm))
         q = self.cache[key]
         return self.replay(q.fp8, chain, gemm), q
 
