@@ -2,14 +2,14 @@
 backend with the same inner compiler, each run in a fresh process.
 
 Run: python bench/compile_time.py [--only llama,gpt2,vit] [--inner eager|inductor|both]
-         [--recipes default,tensorwise,delayed,...] [--profile]
+         [--recipes default,tensorwise,delayed,...] [--profile] [--repeats N]
 Each (architecture, backend) pair runs one training step in its own process with Inductor's and
 AOTAutograd's caches off and an empty Inductor / Triton cache directory (no C++ or Triton build reused), after a one-Linear warm-up compile with the plain backend (toolchain
 probe, imports), so import and warm-up costs fall alike on both sides. The models are those of
 `bench/architectures.py` (hidden 64, 2 layers, random weights). Prints seconds per first step
 and fp8fx's ratio to the plain backend (the project's target: at most 1.15x with Inductor), one row
-per named recipe in --recipes ("default": fp8fx's default policy). --profile adds where fp8fx's
-first step goes: Dynamo's tracing, fp8fx's passes, the delayed-scaling planning trace, and
+per named recipe in --recipes ("default": fp8fx's default policy); with --repeats N, the medians
+of N interleaved runs of each. --profile adds where fp8fx's first step goes (and plain's): Dynamo's tracing, fp8fx's passes, the delayed-scaling planning trace, and
 Inductor's forward / backward compiles and C++ builds (from `torch._dynamo.utils.compile_times`).
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -119,6 +120,7 @@ def main() -> None:
     parser.add_argument("--inner", default="both", choices=["eager", "inductor", "both"])
     parser.add_argument("--recipes", default="default", help="comma-separated named recipes, or default (fp8fx's default policy)")
     parser.add_argument("--profile", action="store_true", help="print where each fp8fx first step's time goes")
+    parser.add_argument("--repeats", type=int, default=1, help="first steps per (backend, recipe); prints the medians")
     parser.add_argument("--child", nargs=4, metavar=("NAME", "BACKEND", "INNER", "RECIPE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -126,18 +128,22 @@ def main() -> None:
         return
 
     inners = ["eager", "inductor"] if args.inner == "both" else [args.inner]
+    recipes = args.recipes.split(",")
     print(f"{'architecture':<13} {'inner':<9} {'recipe':<14} {'plain s':>8} {'fp8fx s':>8} {'ratio':>6}")
     for name in args.only.split(","):
         for inner in inners:
-            plain = first_step(name, "plain", inner)["seconds"]
-            for recipe in args.recipes.split(","):
-                ours = first_step(name, "fp8fx", inner, recipe)
-                print(
-                    f"{name:<13} {inner:<9} {recipe:<14} {plain:>8.1f} {ours['seconds']:>8.1f} {ours['seconds'] / plain:>6.2f}",
-                    flush=True,
-                )
+            # Repeats interleave the runs, so a slow spell of the machine falls on both sides.
+            runs = {recipe: [] for recipe in ["plain", *recipes]}
+            for _ in range(args.repeats):
+                for recipe, results in runs.items():
+                    results.append(first_step(name, "plain" if recipe == "plain" else "fp8fx", inner, recipe))
+            plain = statistics.median(r["seconds"] for r in runs.pop("plain"))
+            for recipe, results in runs.items():
+                seconds = statistics.median(r["seconds"] for r in results)
+                print(f"{name:<13} {inner:<9} {recipe:<14} {plain:>8.1f} {seconds:>8.1f} {seconds / plain:>6.2f}", flush=True)
                 if args.profile:
-                    print("    " + ", ".join(f"{phase} {s:.2f}s" for phase, s in ours["phases"].items() if s), flush=True)
+                    phases = {phase: statistics.median(r["phases"][phase] for r in results) for phase in results[0]["phases"]}
+                    print("    " + ", ".join(f"{phase} {s:.2f}s" for phase, s in phases.items() if s), flush=True)
     print("target: fp8fx / plain <= 1.15 with inner=inductor")
 
 

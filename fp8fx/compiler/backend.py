@@ -304,6 +304,11 @@ class Fp8fxBackend:
 
         first = states(param_objs)
         rewrite.state_keys, rewrite.state = keys, instances[tuple(id(p) for p in param_objs)][0]
+        # Static shapes: a state is never resized, and aot_autograd would give each one symbolic
+        # sizes (Dynamo never saw it), which Inductor compiles into shape-generic kernels.
+        fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        if fake_mode is not None:
+            first = [fake_mode.from_tensor(t, static_shapes=True) for t in first]
         compiled = compile_fn(_with_extra_inputs(gm, len(BUFFERS) * len(keys)), [*example_inputs, *first], rewrite)
 
         def run(*args):
