@@ -109,7 +109,6 @@ class _Inserter:
                 args = (amax, fmt.max, spec.margin, spec.power_of_two, spec.rounding)
                 scale = self.add(fp8fx_ops.amax_to_scale.default, args, tag_from=tag_from)
             else:  # delayed: cast with the scale in use, then record this amax and update the state
-                scale = state[1]
                 d = spec.delayed
                 if self.ctx.delayed.amax_group is not None:  # every rank updates from the same amax
                     group = self.ctx.delayed.amax_group
@@ -124,17 +123,15 @@ class _Inserter:
                     d.algo is AmaxComputeAlgo.MOST_RECENT,
                     d.interval,
                 )
-                update = self.add(fp8fx_ops.delayed_scale_update.default, update_args, tag_from=tag_from)
-                new_state = [self.add(operator.getitem, (update, i), tag_from=tag_from) for i in range(len(state))]
+                scale = state[1]
             if self.ctx.taps.monitor is not None:  # the runtime monitor samples what this cast receives
                 tap_args = (scale, [x], self.ctx.taps.monitor, Monitor.tap_key(state_key, fmt, block))
                 scale = self.add(fp8fx_ops.tap.default, tap_args, tag_from=tag_from)
             fp8 = self.add(fp8fx_ops.cast.default, (x, scale, fmt.dtype, block), tag_from=tag_from)
             scale_inv = self.add(fp8fx_ops.scale_inverse.default, (scale,), tag_from=tag_from)
         if state is not None:
-            with self.graph.inserting_before(self.output):  # after every read of the old values
-                for old, new in zip(state, new_state):
-                    self.add(aten.copy_.default, (old, new), tag_from=tag_from)
+            with self.graph.inserting_before(self.output):  # after every read of the state's old values
+                self.add(fp8fx_ops.delayed_scale_step.default, update_args, tag_from=tag_from)
         q = Quantized(fp8, scale_inv, state_key if spec.delayed is not None else None)
         self.cache[(x, spec)] = q
         return q

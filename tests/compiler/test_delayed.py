@@ -178,3 +178,32 @@ def test_one_nan_step_does_not_freeze_the_scale_for_the_history():
         scales.append(s.item())
         assert torch.isfinite(h).all()
     assert scales == [224.0, 224.0, 112.0, 112.0] and f.item() == 1
+
+
+def _delayed_training(inner: str):
+    """Three steps of a small MLP under delayed scaling: the states, the gradients, the graphs."""
+    torch.manual_seed(0)
+    model = fp8fx.prepare(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)))  # ReLU: exact in both
+    backend = fp8fx.backend(Policy.from_recipe("delayed", amax_history_len=4), inner=inner, keep_graphs=True)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        compiled(torch.randn(8, 32, generator=gen) * 4).square().mean().backward()
+    states = {name: s.tensors() for name, s in model.fp8fx_state.states.items()}
+    return states, [p.grad for p in model.parameters()], [gm for _, gm in backend.kept_graphs]
+
+
+def test_inductor_updates_the_states_in_place_as_eager_does():
+    """One in-place `delayed_scale_step` per cast, no `copy_` back into the graph's inputs, and
+    Inductor's compiled graphs leave the states bit for bit where the eager graphs do."""
+    states, grads, graphs = _delayed_training("eager")
+    nodes = [n.target for gm in graphs for n in gm.graph.nodes]
+    assert nodes.count(torch.ops.fp8fx.delayed_scale_step.default) == len(states) == 6
+    assert torch.ops.aten.copy_.default not in nodes
+    inductor_states, inductor_grads, _ = _delayed_training("inductor")
+    assert inductor_states.keys() == states.keys()
+    for name, tensors in states.items():
+        for a, b in zip(tensors, inductor_states[name]):
+            assert torch.equal(a, b), name
+    for a, b in zip(grads, inductor_grads):  # Inductor's fused kernels round differently
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
