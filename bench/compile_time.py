@@ -114,6 +114,12 @@ def first_step(name: str, backend_name: str, inner: str, recipe: str = "default"
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _phases(results: list[dict]) -> str:
+    """Median seconds per compile phase over the runs, the phases that took any time."""
+    medians = {phase: statistics.median(r["phases"][phase] for r in results) for phase in results[0]["phases"]}
+    return ", ".join(f"{phase} {s:.2f}s" for phase, s in medians.items() if s)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="llama,gpt2,vit", help="comma-separated names from bench/architectures.py")
@@ -137,13 +143,15 @@ def main() -> None:
             for _ in range(args.repeats):
                 for recipe, results in runs.items():
                     results.append(first_step(name, "plain" if recipe == "plain" else "fp8fx", inner, recipe))
-            plain = statistics.median(r["seconds"] for r in runs.pop("plain"))
+            plain_runs = runs.pop("plain")
+            plain = statistics.median(r["seconds"] for r in plain_runs)
+            if args.profile:
+                print(f"{name:<13} {inner:<9} plain: {_phases(plain_runs)}", flush=True)
             for recipe, results in runs.items():
                 seconds = statistics.median(r["seconds"] for r in results)
                 print(f"{name:<13} {inner:<9} {recipe:<14} {plain:>8.1f} {seconds:>8.1f} {seconds / plain:>6.2f}", flush=True)
                 if args.profile:
-                    phases = {phase: statistics.median(r["phases"][phase] for r in results) for phase in results[0]["phases"]}
-                    print("    " + ", ".join(f"{phase} {s:.2f}s" for phase, s in phases.items() if s), flush=True)
+                    print(f"    {_phases(results)}", flush=True)
     print("target: fp8fx / plain <= 1.15 with inner=inductor")
 
 

@@ -1,7 +1,9 @@
 """insert_casts: make every FP8 decision explicit in the graph.
 
 For each FP8 GEMM, each operand gets `fp8fx::amax -> fp8fx::amax_to_scale -> fp8fx::cast` (and
-the scale's inverse), and the GEMM becomes `fp8fx::scaled_mm`. Casts are made on the operand's
+`fp8fx::scale_inverse`), and the GEMM becomes `fp8fx::scaled_mm`. With delayed scaling the cast
+reads the scale from the state's graph input, and `fp8fx::delayed_scale_step`, at the end of the
+graph, records the amax and updates the state in place. Casts are made on the operand's
 root tensor (before transposes, views and dtype casts) and cached per (root, format), so the
 weight's E4M3 copy serves both output and grad_input, and the input's E4M3 copy serves output and
 grad_weight: after partitioning, backward consumes the FP8 tensors forward made.
