@@ -4,7 +4,10 @@ torchao's float8 emulate mode, each pair with the same inner compiler.
 Run: python bench/train_step.py [--inner inductor|eager|both] [--layers 2 --dim 256 --seq 128 --batch 8]
 Prints, per inner compiler, the first step (compile + run) and the median of the next steps, and
 the ratios the project targets: fp8fx step <= 0.8x torchao emulate, first step <= 1.15x plain.
-Needs the bench extra (torchao, transformers). Compile caches are off so every first step compiles.
+Needs the bench extra (torchao, transformers). Inductor's FX graph and AOTAutograd caches are off
+so every first step compiles; its C++ kernel builds are not (they are reused from earlier runs and
+from the other backends of this one), so the first-step ratio here is not a cold compile:
+bench/compile_time.py measures those, a fresh process and cache directory per first step.
 
 --warm: Inductor's caches on, each first step in its own process, twice per compiler over one
 fresh cache directory: the cold first step, then a second process's (warm) one, and whether
@@ -137,7 +140,7 @@ def main() -> None:
         for name, (first, step) in r.items():
             print(f"  {name:8s} first step {first:7.2f} s   step {1000 * step:8.1f} ms")
         print(f"  fp8fx step / torchao emulate step = {r['fp8fx'][1] / r['torchao'][1]:.2f}   (target <= 0.8)")
-        print(f"  fp8fx first step / plain first step = {r['fp8fx'][0] / r['plain'][0]:.2f}   (target <= 1.15)")
+        print(f"  fp8fx first step / plain first step = {r['fp8fx'][0] / r['plain'][0]:.2f}   (not cold)")
 
 
 if __name__ == "__main__":
