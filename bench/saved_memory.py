@@ -1,9 +1,11 @@
-"""Bytes saved for backward: fp8fx vs the fp32 model, measured with saved-tensor hooks.
+"""Bytes saved for backward and peak memory of a training step: fp8fx vs the fp32 model.
 
 Run: python bench/saved_memory.py [--layers 4 --dim 256 --seq 128 --batch 8]
 Every tensor autograd keeps for backward passes through the pack hook, for eager and compiled
 models alike; the bench sums the bytes of distinct storages (a view of a parameter counts as the
 parameter, which is alive anyway and is not counted). Target: fp8fx <= 0.5x fp32.
+Peak: the most the CPU allocator held during one forward and backward above what it held before
+(PyTorch's memory profiler reports every allocation with the allocator's total).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import argparse
 
 import torch
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
 
 import fp8fx
 from fp8fx.tools.demo import TinyTransformer
@@ -46,6 +50,24 @@ def saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> dict[str, int]:
     return by_dtype
 
 
+def peak_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
+    """Peak bytes the CPU allocator held during one training step, above what it held before."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model(tokens).float().pow(2).mean().backward()
+    allocations = []
+
+    def walk(events) -> None:
+        for event in events:
+            if event.tag == _EventType.Allocation:
+                allocations.append((event.start_time_ns, event.extra_fields.total_allocated, event.extra_fields.alloc_size))
+            walk(event.children)
+
+    walk(prof.profiler.kineto_results.experimental_event_tree())
+    allocations.sort()
+    before = allocations[0][1] - allocations[0][2]  # the first event's total, less its own size
+    return max(total for _, total, _ in allocations) - before
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -72,6 +94,7 @@ def main() -> None:
         model = TinyTransformer(dim=args.dim, heads=max(1, args.dim // 64), layers=args.layers, max_seq=args.seq)
     tokens = torch.randint(0, 256, (args.batch, args.seq))
     base = saved_bytes(model, tokens)
+    peaks = {"fp32": peak_bytes(model, tokens)}
     measured = {}
     for saved in ("high", "bf16"):  # fp32 GEMM outputs kept for backward as computed, then in BF16 (the default)
         torch._dynamo.reset()
@@ -79,6 +102,7 @@ def main() -> None:
         compiled = torch.compile(model, backend=backend)
         saved_bytes(compiled, tokens)  # compile
         measured[saved] = saved_bytes(compiled, tokens)
+        peaks[f"fp8fx saved_outputs={saved}"] = peak_bytes(compiled, tokens)
     total_base = sum(base.values())
     print(f"model: {args.model}, {args.layers} layers, dim {args.dim}, batch {args.batch} x seq {args.seq}, inner={args.inner}")
     print(f"fp32 eager                       : {total_base / 2**20:8.2f} MiB saved for backward  {base}")
@@ -87,6 +111,8 @@ def main() -> None:
     for saved, fp8 in measured.items():
         print(f"ratio fp8fx (saved_outputs={saved}) / fp32 = {sum(fp8.values()) / total_base:.3f}")
     print("target: fp8fx (default, saved_outputs=bf16) <= 0.5")
+    for name, peak in peaks.items():
+        print(f"peak during a step, {name:<26}: {peak / 2**20:8.2f} MiB ({peak / peaks['fp32']:.3f} of fp32)")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from fp8fx.passes.annotation import annotations
 from fp8fx.passes.gathered_experts import rewrite_gathered_experts
 from fp8fx.passes.graph_utils import DelayedInputs, Taps, decompose_nodes
 from fp8fx.passes.pipeline import PLANNING_PASSES
+from fp8fx.passes.saved_outputs import recompute_at_first_use
 from fp8fx.reporting.records import OpRecord, Report
 from fp8fx.reporting.traffic import non_gemm_bytes, saved_activation_bytes
 from fp8fx.runtime.monitor import Monitor
@@ -396,6 +397,9 @@ class Fp8fxBackend:
         def boxed(kind: str):
             def compiler(gm, _inputs):
                 gm = rewrite(gm) if kind == "inference" else gm
+                if kind == "backward":
+                    recompute_at_first_use(gm.graph)
+                    gm.recompile()
                 self._keep(kind, gm)
                 return make_boxed_func(gm)
 

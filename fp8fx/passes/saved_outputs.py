@@ -13,6 +13,7 @@ outputs rounded to BF16 (8 significant bits), far finer than the FP8 gradients t
 
 from __future__ import annotations
 
+import itertools
 import operator
 
 import torch
@@ -103,3 +104,34 @@ def saved_outputs(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     graph.lint()
     gm.recompile()
     return PassResult(gm, modified=modified)
+
+
+def recompute_at_first_use(graph: fx.Graph) -> None:
+    """Move the forward ops a backward graph recomputes from saved values (the replicas above,
+    min-cut's own recomputation) to just before their first use.
+
+    The partitioner emits them in the joint graph's order, all at the start of backward, where
+    every layer's recomputed fp32 values would be alive at once (with `inner="eager"` a step's
+    peak memory exceeded fp32's). Inductor schedules its kernels itself."""
+    saved = {n for n in graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")}
+    lazy: set[fx.Node] = set()
+    for node in graph.nodes:
+        inputs = node.all_input_nodes
+        if node.op == "call_function" and inputs and not node.is_impure() and all(a in saved or a in lazy for a in inputs):
+            lazy.add(node)
+    order: list[fx.Node] = []
+    emitted: set[fx.Node] = set()
+
+    def emit(node: fx.Node) -> None:
+        for arg in node.all_input_nodes:
+            if arg in lazy and arg not in emitted:
+                emit(arg)
+        emitted.add(node)
+        order.append(node)
+
+    for node in list(graph.nodes):
+        if node not in lazy:
+            emit(node)
+    for before, node in itertools.pairwise(order):
+        before.append(node)
+    graph.lint()

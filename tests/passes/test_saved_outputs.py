@@ -72,3 +72,35 @@ def test_gemm_outputs_backward_reads_are_saved_in_bf16(inner):
 def test_saved_outputs_option_is_checked():
     with pytest.raises(ValueError, match=r"saved_outputs must be one of bf16, high, got 'fp8'"):
         fp8fx.backend(saved_outputs="fp8")
+
+
+def test_backward_recomputes_each_value_just_before_its_first_use():
+    """With inner="eager", values backward recomputes from saved ones (each layer's SiLU and
+    products from their BF16 copies) are computed right before the node that first reads them,
+    not all at the start of backward, where every layer's recomputed fp32 values were alive at once."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(GatedBlock(d=64, hidden=128), GatedBlock(d=64, hidden=128))
+    backend = fp8fx.backend(inner="eager", keep_graphs=True)
+    torch.compile(model, backend=backend)(torch.randn(4, 32, 64, requires_grad=True)).square().sum().backward()
+    backward = next(gm for kind, gm in backend.kept_graphs if kind == "backward")
+    nodes = list(backward.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    recomputed: set = set()
+    for node in nodes:
+        saved = [a.op == "placeholder" and "tangents" not in a.name or a in recomputed for a in node.all_input_nodes]
+        if node.op == "call_function" and saved and all(saved):
+            recomputed.add(node)
+    assert sum(n.target == torch.ops.aten.silu.default for n in recomputed) == 2  # one per layer
+
+    def readers(node) -> set:
+        """The nodes outside the recomputation that read `node`, directly or through it."""
+        found, todo = set(), list(node.users)
+        while todo:
+            user = todo.pop()
+            (todo.extend(user.users) if user in recomputed else found.add(user))
+        return found
+
+    for node in recomputed:
+        first = min(readers(node), key=position.__getitem__)
+        between = [n for n in nodes[position[node] + 1 : position[first]] if n not in recomputed]
+        assert not between, f"{node} is recomputed before {between}, which do not read it"
