@@ -111,6 +111,7 @@ class _Inserter:
                 args = (amax, fmt.max, spec.margin, spec.power_of_two, spec.rounding)
                 scale = self.add(fp8fx_ops.amax_to_scale.default, args, tag_from=tag_from)
             else:  # delayed: cast with the scale in use, then record this amax and update the state
+                scale = state[1]
                 d = spec.delayed
                 if self.ctx.delayed.amax_group is not None:  # every rank updates from the same amax
                     group = self.ctx.delayed.amax_group
@@ -125,7 +126,6 @@ class _Inserter:
                     d.algo is AmaxComputeAlgo.MOST_RECENT,
                     d.interval,
                 )
-                scale = state[1]
             if self.ctx.taps.monitor is not None:  # the runtime monitor samples what this cast receives
                 tap_args = (scale, [x], self.ctx.taps.monitor, Monitor.tap_key(state_key, fmt, block))
                 scale = self.add(fp8fx_ops.tap.default, tap_args, tag_from=tag_from)
