@@ -96,23 +96,26 @@ def main() -> None:
     base = saved_bytes(model, tokens)
     peaks = {"fp32": peak_bytes(model, tokens)}
     measured = {}
-    for saved in ("high", "bf16"):  # fp32 GEMM outputs kept for backward as computed, then in BF16 (the default)
+    # fp32 GEMM outputs kept for backward as computed, then in BF16 (the default); then also the
+    # weights' FP8 copies cast again in backward rather than kept.
+    for saved, weight in (("high", "keep"), ("bf16", "keep"), ("bf16", "recompute")):
         torch._dynamo.reset()
-        backend = fp8fx.backend(inner=args.inner, fuse_epilogues=not args.no_fusion, saved_outputs=saved)
+        backend = fp8fx.backend(inner=args.inner, fuse_epilogues=not args.no_fusion, saved_outputs=saved, weight_fp8=weight)
         compiled = torch.compile(model, backend=backend)
         saved_bytes(compiled, tokens)  # compile
-        measured[saved] = saved_bytes(compiled, tokens)
-        peaks[f"fp8fx saved_outputs={saved}"] = peak_bytes(compiled, tokens)
+        name = f"saved_outputs={saved}" + (f", weight_fp8={weight}" if weight != "keep" else "")
+        measured[name] = saved_bytes(compiled, tokens)
+        peaks[f"fp8fx {name}"] = peak_bytes(compiled, tokens)
     total_base = sum(base.values())
     print(f"model: {args.model}, {args.layers} layers, dim {args.dim}, batch {args.batch} x seq {args.seq}, inner={args.inner}")
-    print(f"fp32 eager                       : {total_base / 2**20:8.2f} MiB saved for backward  {base}")
-    for saved, fp8 in measured.items():
-        print(f"fp8fx saved_outputs={saved:<5}       : {sum(fp8.values()) / 2**20:8.2f} MiB saved for backward  {fp8}")
-    for saved, fp8 in measured.items():
-        print(f"ratio fp8fx (saved_outputs={saved}) / fp32 = {sum(fp8.values()) / total_base:.3f}")
+    print(f"{'fp32 eager':<52}: {total_base / 2**20:8.2f} MiB saved for backward  {base}")
+    for name, fp8 in measured.items():
+        print(f"fp8fx {name:<46}: {sum(fp8.values()) / 2**20:8.2f} MiB saved for backward  {fp8}")
+    for name, fp8 in measured.items():
+        print(f"ratio fp8fx ({name}) / fp32 = {sum(fp8.values()) / total_base:.3f}")
     print("target: fp8fx (default, saved_outputs=bf16) <= 0.5")
     for name, peak in peaks.items():
-        print(f"peak during a step, {name:<26}: {peak / 2**20:8.2f} MiB ({peak / peaks['fp32']:.3f} of fp32)")
+        print(f"peak during a step, {name:<52}: {peak / 2**20:8.2f} MiB ({peak / peaks['fp32']:.3f} of fp32)")
 
 
 if __name__ == "__main__":

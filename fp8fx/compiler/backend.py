@@ -138,6 +138,7 @@ def _graph_kind(gm: fx.GraphModule) -> str:
 
 KERNELS = ("auto", "triton", "scaled_mm")  # see fp8fx.codegen.dispatch.choose_kernel
 SAVED_OUTPUTS = ("bf16", "high")  # see fp8fx.passes.saved_outputs
+WEIGHT_FP8 = ("keep", "recompute")  # see fp8fx.passes.insert_casts
 FUSABLE_ACTIVATIONS = (torch.ops.aten.gelu.default, torch.ops.aten.silu.default)
 # Ops that reach the FP8 passes whole under Inductor: activations, to fuse them into epilogues, and
 # matrix products, which Inductor's table turns into elementwise code when a dimension is 1 (mv,
@@ -157,6 +158,7 @@ class Fp8fxBackend:
         kernels: str = "auto",
         monitor_every: int = 0,
         saved_outputs: str = "bf16",
+        weight_fp8: str = "keep",
     ):
         if inner not in INNER_COMPILERS:
             raise ValueError(f"fp8fx.backend: inner must be one of {', '.join(INNER_COMPILERS)}, got {inner!r}")
@@ -166,10 +168,18 @@ class Fp8fxBackend:
             raise RuntimeError("fp8fx.backend(kernels='triton') needs Triton, which is not installed here; use kernels='auto'")
         if saved_outputs not in SAVED_OUTPUTS:
             raise ValueError(f"fp8fx.backend: saved_outputs must be one of {', '.join(SAVED_OUTPUTS)}, got {saved_outputs!r}")
+        if weight_fp8 not in WEIGHT_FP8:
+            raise ValueError(f"fp8fx.backend: weight_fp8 must be one of {', '.join(WEIGHT_FP8)}, got {weight_fp8!r}")
+        self.weight_fp8 = weight_fp8
         self.fuse_epilogues = fuse_epilogues
         self.kernels = kernels
         self.saved_outputs = saved_outputs
         self.policy = policy = as_policy(policy, "fp8fx.backend")
+        if weight_fp8 == "recompute" and policy.uses_delayed_scaling:  # the state moves on at the end of forward
+            raise ValueError(
+                "fp8fx.backend: weight_fp8='recompute' needs dynamic scaling: with delayed scaling backward would "
+                "cast the weight with the scale updated after forward"
+            )
         self.inner = inner
         self.graphs: list[GraphRecord] = []
         # With inner="eager" and keep_graphs, the rewritten graphs as they run, for inspection:
@@ -258,7 +268,7 @@ class Fp8fxBackend:
             return None
         # Kernel choices also depend on whether Triton imports here and on the GPUs' measured tables.
         options = {"policy": self.policy.to_dict(), "fuse_epilogues": self.fuse_epilogues, "kernels": self.kernels, "saved_outputs": self.saved_outputs,
-                   "overrides": sorted(self.overrides.items()), "triton": triton_available(), "tables": cache.tables_digest()}  # fmt: skip
+                   "weight_fp8": self.weight_fp8, "overrides": sorted(self.overrides.items()), "triton": triton_available(), "tables": cache.tables_digest()}  # fmt: skip
         return cache.pass_key(options)
 
     def _switch(self, site: str, role: str, reason: str) -> None:
@@ -371,7 +381,8 @@ class Fp8fxBackend:
             tail = inputs[len(inputs) - len(BUFFERS) * len(state_keys) :]
             states = {key: tuple(tail[i * len(BUFFERS) : (i + 1) * len(BUFFERS)]) for i, key in enumerate(state_keys)}
             delayed = DelayedInputs(states, _amax_group_name(state))
-        ctx = PassContext(self.policy, self.fuse_epilogues, self.kernels, dict(self.overrides), param_inputs, taps, delayed, self.saved_outputs)
+        ctx = PassContext(self.policy, self.fuse_epilogues, self.kernels, dict(self.overrides), param_inputs, taps, delayed, self.saved_outputs,
+                          self.weight_fp8)  # fmt: skip
         gm = run_passes(gm, ctx, REWRITE_PASSES)
         index = len(self.graphs)
         ops = [OpRecord.make(index, kind, ann) for ann in annotations(gm.graph)]
@@ -489,6 +500,7 @@ def backend(
     kernels: str = "auto",
     monitor_every: int = 0,
     saved_outputs: str = "bf16",
+    weight_fp8: str = "keep",
 ) -> Fp8fxBackend:
     """A configured backend: `torch.compile(model, backend=fp8fx.backend(policy="p.yaml"))`.
 
@@ -505,10 +517,14 @@ def backend(
 
     `saved_outputs` is what fp32 FP8-GEMM outputs that backward reads are kept as between forward
     and backward: "bf16" (half the bytes; backward reads them rounded to BF16) or "high" (as
-    computed); see `fp8fx.passes.saved_outputs`."""
+    computed); see `fp8fx.passes.saved_outputs`.
+
+    `weight_fp8` is what backward's GEMMs read of a weight: "keep" (the FP8 copy forward made,
+    saved for backward) or "recompute" (cast again in backward from the weight, which is alive
+    anyway: fewer saved bytes for one more amax and cast per weight; dynamic scaling only)."""
     return Fp8fxBackend(
         policy=policy, inner=inner, keep_graphs=keep_graphs, fuse_epilogues=fuse_epilogues, kernels=kernels,
-        monitor_every=monitor_every, saved_outputs=saved_outputs,
+        monitor_every=monitor_every, saved_outputs=saved_outputs, weight_fp8=weight_fp8,
     )  # fmt: skip
 
 

@@ -81,6 +81,9 @@ class PassContext:
     # What FP8 GEMM outputs that backward reads are saved as: "bf16" (fp32 outputs narrowed,
     # fp8fx.passes.saved_outputs) or "high" (as computed).
     saved_outputs: str = "bf16"
+    # What backward reads of a weight: its FP8 copy saved from forward ("keep") or the weight cast
+    # again in backward ("recompute": the cast chain is tagged for min-cut to recompute).
+    weight_fp8: str = "keep"
     # Handed on: the sites find_matmuls found, the GEMM nodes lower_patch_convs made (node -> the
     # op kind it was lowered from), and the delayed states insert_casts used (key -> history length).
     sites: list = field(default_factory=list)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from fp8fx.codegen.dispatch import grouped_launcher
 from fp8fx.core import grouped
@@ -29,7 +30,7 @@ from fp8fx.core.formats import Fp8Format
 from fp8fx.core.grouped import OperandScales
 from fp8fx.core.recipes import AmaxComputeAlgo, Precision, ScaleRounding
 from fp8fx.passes.annotation import META_KEY, DelayedSpec, Fusion, ReasonKind, annotate, annotation, node_annotations, state_key
-from fp8fx.passes.find_matmuls import fused_backward, group_offsets, matmul_operands
+from fp8fx.passes.find_matmuls import fused_backward, group_offsets, matmul_operands, parameter_derived
 from fp8fx.passes.graph_utils import PassContext, PassResult, add_node, fake_mode_of, node_values, op_args, strip_layout
 from fp8fx.runtime.monitor import Monitor
 from fp8fx.runtime.shadow import ShadowChecks
@@ -89,6 +90,10 @@ class _Inserter:
         self.output = next(n for n in reversed(graph.nodes) if n.op == "output")
         self.cache: dict[tuple, Quantized] = {}
         self.views: dict[tuple, fx.Node] = {}  # high-precision operand views rebuilt from their root
+        # weight_fp8="recompute": the weights (parameter inputs), whose casts backward makes again.
+        self.weights: set[fx.Node] = set()
+        if ctx.weight_fp8 == "recompute":
+            self.weights = {n for n in graph.nodes if n.op == "placeholder"} & parameter_derived(graph, ctx.param_inputs)
 
     def add(self, target, args, kwargs=None, *, tag_from: fx.Node) -> fx.Node:
         return add_node(self.graph, self.fake_mode, target, args, kwargs, tag_from=tag_from)
@@ -134,6 +139,9 @@ class _Inserter:
         if state is not None:
             with self.graph.inserting_before(self.output):  # after every read of the state's old values
                 self.add(fp8fx_ops.delayed_scale_step.default, update_args, tag_from=tag_from)
+        if x in self.weights:  # backward casts the weight again
+            for node in (amax, scale, fp8, scale_inv):
+                node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         q = Quantized(fp8, scale_inv, state_key if spec.delayed is not None else None)
         self.cache[(x, spec)] = q
         return q

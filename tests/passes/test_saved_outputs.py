@@ -104,3 +104,32 @@ def test_backward_recomputes_each_value_just_before_its_first_use():
         first = min(readers(node), key=position.__getitem__)
         between = [n for n in nodes[position[node] + 1 : position[first]] if n not in recomputed]
         assert not between, f"{node} is recomputed before {between}, which do not read it"
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_weight_fp8_recompute_saves_no_fp8_weight_and_changes_no_gradient(inner):
+    """weight_fp8="recompute": backward casts each weight again instead of keeping forward's FP8
+    copy; the same cast of the same weight, so the gradients are those of keeping it."""
+    results = {}
+    for weight_fp8 in ("keep", "recompute"):
+        torch.manual_seed(0)
+        model = GatedBlock(d=64, hidden=128)
+        x = torch.randn(4, 32, 64, requires_grad=True)
+        compiled = torch.compile(model, backend=fp8fx.backend(inner=inner, weight_fp8=weight_fp8))
+        compiled(x).square().sum().backward()  # compile
+        model.zero_grad()
+        x.grad = None
+        saved = saved_by_dtype(compiled, x)
+        results[weight_fp8] = saved, [x.grad, *(p.grad for p in model.parameters())]
+    (kept, kept_grads), (recomputed, grads) = results["keep"], results["recompute"]
+    weights = 3 * 128 * 64 + 64 * 64  # fc, gate, up and down: one byte per element of each FP8 copy
+    assert kept[torch.float8_e4m3fn] - recomputed.get(torch.float8_e4m3fn, 0) == weights
+    for a, b in zip(kept_grads, grads):
+        assert torch.equal(a, b)
+
+
+def test_weight_fp8_option_is_checked():
+    with pytest.raises(ValueError, match=r"weight_fp8 must be one of keep, recompute, got 'drop'"):
+        fp8fx.backend(weight_fp8="drop")
+    with pytest.raises(ValueError, match=r"weight_fp8='recompute' needs dynamic scaling"):
+        fp8fx.backend(fp8fx.Policy.from_recipe("delayed"), weight_fp8="recompute")
