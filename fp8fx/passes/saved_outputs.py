@@ -121,17 +121,20 @@ def recompute_at_first_use(graph: fx.Graph) -> None:
             lazy.add(node)
     order: list[fx.Node] = []
     emitted: set[fx.Node] = set()
-
-    def emit(node: fx.Node) -> None:
-        for arg in node.all_input_nodes:
-            if arg in lazy and arg not in emitted:
-                emit(arg)
-        emitted.add(node)
-        order.append(node)
-
     for node in list(graph.nodes):
-        if node not in lazy:
-            emit(node)
+        if node in lazy:
+            continue
+        stack = [node]  # the node, after the lazy values it reads that are not out yet (depth first)
+        while stack:
+            top = stack[-1]
+            pending = [a for a in top.all_input_nodes if a in lazy and a not in emitted and a not in stack]
+            if pending:
+                stack.append(pending[0])
+            else:
+                stack.pop()
+                if top not in emitted:
+                    emitted.add(top)
+                    order.append(top)
     for before, node in itertools.pairwise(order):
         before.append(node)
     graph.lint()
