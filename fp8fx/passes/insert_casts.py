@@ -131,6 +131,7 @@ class _Inserter:
                     d.algo is AmaxComputeAlgo.MOST_RECENT,
                     d.interval,
                 )
+            computed = [amax, scale]  # what backward makes again with weight_fp8="recompute" (not the tap)
             if self.ctx.taps.monitor is not None:  # the runtime monitor samples what this cast receives
                 tap_args = (scale, [x], self.ctx.taps.monitor, Monitor.tap_key(state_key, fmt, block))
                 scale = self.add(fp8fx_ops.tap.default, tap_args, tag_from=tag_from)
@@ -140,7 +141,7 @@ class _Inserter:
             with self.graph.inserting_before(self.output):  # after every read of the state's old values
                 self.add(fp8fx_ops.delayed_scale_step.default, update_args, tag_from=tag_from)
         if x in self.weights:  # backward casts the weight again
-            for node in (amax, scale, fp8, scale_inv):
+            for node in (*computed, fp8, scale_inv):
                 node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         q = Quantized(fp8, scale_inv, state_key if spec.delayed is not None else None)
         self.cache[(x, spec)] = q

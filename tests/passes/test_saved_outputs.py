@@ -133,3 +133,13 @@ def test_weight_fp8_option_is_checked():
         fp8fx.backend(weight_fp8="drop")
     with pytest.raises(ValueError, match=r"weight_fp8='recompute' needs dynamic scaling"):
         fp8fx.backend(fp8fx.Policy.from_recipe("delayed"), weight_fp8="recompute")
+
+
+def test_weight_fp8_recompute_samples_each_weight_cast_once_per_step():
+    """The runtime monitor's tap is not part of what backward recomputes: one sample per step."""
+    torch.manual_seed(0)
+    compiled = torch.compile(GatedBlock(), backend=fp8fx.backend(inner="eager", weight_fp8="recompute", monitor_every=1))
+    for _ in range(3):
+        compiled(torch.randn(4, 32, 64)).square().sum().backward()
+    weights = {key: s for key, s in fp8fx.stats(compiled).summary().items() if key.endswith(".weight")}
+    assert len(weights) == 4 and all(s["samples"] == 3 for s in weights.values())
