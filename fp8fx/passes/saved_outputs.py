@@ -130,11 +130,10 @@ def recompute_at_first_use(graph: fx.Graph) -> None:
             pending = [a for a in top.all_input_nodes if a in lazy and a not in emitted and a not in stack]
             if pending:
                 stack.append(pending[0])
-            else:
+            else:  # each node is pushed once: pending skips what is out or on the stack
                 stack.pop()
-                if top not in emitted:
-                    emitted.add(top)
-                    order.append(top)
+                emitted.add(top)
+                order.append(top)
     for before, node in itertools.pairwise(order):
         before.append(node)
     graph.lint()
