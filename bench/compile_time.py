@@ -9,7 +9,7 @@ probe, imports), so import and warm-up costs fall alike on both sides. The model
 `bench/architectures.py` (hidden 64, 2 layers, random weights). Prints seconds per first step
 and fp8fx's ratio to the plain backend (the project's target: at most 1.15x with Inductor), one row
 per named recipe in --recipes ("default": fp8fx's default policy); with --repeats N, the medians
-of N interleaved runs of each. --profile adds where fp8fx's first step goes (and plain's): Dynamo's tracing, fp8fx's passes, the delayed-scaling planning trace, and
+of N interleaved runs of each. --profile adds where fp8fx's first step goes (and plain's): Dynamo's tracing, fp8fx's passes, and
 Inductor's forward / backward compiles and C++ builds (from `torch._dynamo.utils.compile_times`).
 """
 
@@ -79,7 +79,6 @@ def child(name: str, backend_name: str, inner: str, recipe: str) -> dict:
         from fp8fx.compiler import backend as fp8fx_backend
 
         _timed(fp8fx_backend, "run_passes", spent, "fp8fx passes")
-        _timed(fp8fx_backend.Fp8fxBackend, "_plan_delayed_states", spent, "delayed planning")
         policy = None if recipe == "default" else fp8fx.Policy.from_recipe(recipe)
         if policy is not None and policy.uses_delayed_scaling:
             fp8fx.prepare(model)

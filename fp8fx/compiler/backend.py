@@ -26,15 +26,15 @@ import fp8fx.ops  # noqa: F401  (registers the fp8fx::* operators)
 from fp8fx.codegen.dispatch import triton_available
 from fp8fx.codegen.variants import device_target
 from fp8fx.compiler import cache
-from fp8fx.compiler.state import BUFFERS, Fp8State, instance_keys, locate
+from fp8fx.compiler.state import Fp8State, StateInstance, instance_keys, locate
 from fp8fx.core.patterns import BY_TARGET, OPAQUE
 from fp8fx.core.policy import Policy
 from fp8fx.core.policy_yaml import as_policy
+from fp8fx.ops import delayed as delayed_ops
 from fp8fx.passes import REWRITE_PASSES, PassContext, run_passes
 from fp8fx.passes.annotation import annotations
 from fp8fx.passes.gathered_experts import rewrite_gathered_experts
 from fp8fx.passes.graph_utils import DelayedInputs, Taps, decompose_nodes
-from fp8fx.passes.pipeline import PLANNING_PASSES
 from fp8fx.passes.saved_outputs import recompute_at_first_use
 from fp8fx.reporting.records import OpRecord, Report
 from fp8fx.reporting.traffic import non_gemm_bytes, saved_activation_bytes
@@ -92,6 +92,7 @@ class GraphRecord:
     params: list[weakref.ref] = field(default_factory=list)
     state: Fp8State | None = None
     non_gemm_bytes: dict[str, int] = field(default_factory=dict)  # per module FQN (fp8fx.reporting.traffic)
+    delayed_states: dict[str, int] = field(default_factory=dict)  # the delayed-scaling states it uses: key -> history length
     # Training graphs partitioned by fp8fx (eager inner): bytes saved for backward per module FQN.
     saved_bytes: dict[str, int] | None = None
     dynamo: DynamoGraph | None = None  # None: compiled outside Dynamo
@@ -285,47 +286,51 @@ class Fp8fxBackend:
         param_objs = [example_inputs[i] for i in positions]
         rewrite = _Rewrite(self, [weakref.ref(p) for p in param_objs], frozenset(positions))
         compile_fn = self._compile_eager if self.inner == "eager" else self._compile_inductor
-        plan = self._plan_delayed_states(gm, example_inputs, frozenset(positions)) if self.policy.uses_delayed_scaling else {}
-        if not plan:
-            return self._recording_params(compile_fn(gm, example_inputs, rewrite), positions)
-        # Delayed scaling: the states become extra graph inputs, passed on every call (looked up
-        # by name each time, so a load_state_dict(assign=True) is picked up too). Dynamo runs one
-        # graph for every instance of a module compiled alone (each block), so the states are
-        # chosen per call by the parameters the graph receives.
-        keys = list(plan)
-        device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
-        instances: dict[tuple[int, ...], tuple[Fp8State, list[str]]] = {}
+        if self.policy.uses_delayed_scaling:
+            compiled = self._build_delayed(gm, example_inputs, rewrite, compile_fn, param_objs, positions)
+        else:
+            compiled = compile_fn(gm, example_inputs, rewrite)
+        return self._recording_params(compiled, positions)
 
-        def states(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _build_delayed(self, gm, example_inputs, rewrite: _Rewrite, compile_fn, param_objs, positions: list[int]):
+        """Compile with delayed scaling: the graph takes one more input, the handle its state ops
+        find the states by (`fp8fx.ops.delayed`). Which states it uses comes from its own rewrite
+        (or, served from Inductor's cache, from the records kept beside it). Dynamo runs one graph
+        for every instance of a module compiled alone (each block), so the handle is chosen per
+        call by the parameters the graph receives."""
+        found = locate(param_objs)
+        rewrite.state, rewrite.delayed_handle = (found[0] if found is not None else None), True
+        first = len(self.graphs)
+        handle = torch.zeros(1, dtype=torch.int64)
+        fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        example = fake_mode.from_tensor(handle, static_shapes=True) if fake_mode else handle
+        compiled = compile_fn(_with_handle_input(gm), [*example_inputs, example], rewrite)
+        needed = {key: length for g in self.graphs[first:] for key, length in g.delayed_states.items()}
+        if not needed:  # no GEMM of this graph casts with delayed scaling
+            return lambda *args: compiled(*args, handle)
+        keys = list(needed)
+        device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        handles: dict[tuple[int, ...], tuple[StateInstance, torch.Tensor]] = {}
+
+        def handle_for(params: list[torch.Tensor]) -> torch.Tensor:
             ids = tuple(id(p) for p in params)
-            if ids not in instances:
-                found = locate(params)
-                if found is None:
+            if ids not in handles:
+                located = locate(params)
+                if located is None:
                     raise RuntimeError(
                         "fp8fx: delayed scaling keeps its amax histories and scales in the model: call "
                         "fp8fx.prepare(model) before torch.compile(model, ...)"
                     )
-                owner, prefix = found
-                names = instance_keys(keys, prefix)
-                for key, name in zip(keys, names):
-                    owner.ensure(name, plan[key], device)
-                instances[ids] = (owner, names)
-            owner, names = instances[ids]
-            return [t for name in names for t in owner.get(name).tensors()]
+                owner, prefix = located
+                names = dict(zip(keys, instance_keys(keys, prefix)))
+                for key, name in names.items():
+                    owner.ensure(name, needed[key], device)
+                instance = StateInstance(owner, names)
+                handles[ids] = (instance, delayed_ops.register(instance))  # the entry keeps the instance alive
+            return handles[ids][1]
 
-        first = states(param_objs)
-        rewrite.state_keys, rewrite.state = keys, instances[tuple(id(p) for p in param_objs)][0]
-        # Static shapes: a state is never resized, and aot_autograd would give each one symbolic
-        # sizes (Dynamo never saw it), which Inductor compiles into shape-generic kernels.
-        fake_mode = torch._guards.detect_fake_mode(example_inputs)
-        if fake_mode is not None:
-            first = [fake_mode.from_tensor(t, static_shapes=True) for t in first]
-        compiled = compile_fn(_with_extra_inputs(gm, len(BUFFERS) * len(keys)), [*example_inputs, *first], rewrite)
-
-        def run(*args):
-            return compiled(*args, *states([args[i] for i in positions]))
-
-        return self._recording_params(run, positions)
+        handle_for(param_objs)  # the states exist from the compile on (a state_dict before the first step has them)
+        return lambda *args: compiled(*args, handle_for([args[i] for i in positions]))
 
     def _recording_params(self, fn, positions: list[int]):
         """`fn`, adding the parameters each call passes (at `positions`) to `params_seen`."""
@@ -341,32 +346,11 @@ class Fp8fxBackend:
         run._boxed_call = getattr(fn, "_boxed_call", False)
         return run
 
-    def _plan_delayed_states(self, gm: fx.GraphModule, example_inputs: list[Any], param_inputs: frozenset[int]) -> dict[str, int]:
-        """Trace once without compiling to learn which delayed-scaling states the graph needs."""
-        from torch._dynamo.backends.common import aot_autograd
-
-        def plan(graph_module, *_args, **_kwargs):
-            # Probes change which casts are shared, so a numerics run plans with (throwaway) probes.
-            taps = Taps(numerics=NumericsCollector() if self.numerics is not None else None)
-            ctx = PassContext(self.policy, overrides=dict(self.overrides), param_inputs=param_inputs, taps=taps)
-            run_passes(graph_module, ctx, PLANNING_PASSES)
-            raise _Planned(ctx.delayed_states)
-
-        try:
-            aot_autograd(fw_compiler=plan, inference_compiler=plan, partition_fn=plan)(copy.deepcopy(gm), example_inputs)
-        except Exception as e:  # noqa: BLE001 - look for our result through any wrapping
-            while e is not None and not isinstance(e, _Planned):
-                e = e.__cause__ or e.__context__
-            if e is None:
-                raise
-            return e.states
-        return {}
-
-    def rewrite(self, gm: fx.GraphModule, params: list[weakref.ref], state_keys: list[str] = (), state: Fp8State | None = None,
-                param_inputs: frozenset[int] | None = None) -> fx.GraphModule:
+    def rewrite(self, gm: fx.GraphModule, params: list[weakref.ref], state: Fp8State | None = None,
+                param_inputs: frozenset[int] | None = None, delayed_handle: bool = False) -> fx.GraphModule:
         """Run the FP8 passes on an ATen graph (joint or inference) and record the decisions.
 
-        `state_keys` name the delayed-scaling states passed as the graph's last inputs."""
+        `delayed_handle`: the graph's last input (before the tangents) is delayed scaling's handle."""
         kind = _graph_kind(gm)
         traffic = non_gemm_bytes(gm.graph)
         taps = Taps(
@@ -376,17 +360,15 @@ class Fp8fxBackend:
             graph_index=len(self.graphs),
         )
         delayed = None
-        if state_keys:
-            inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and not str(n.target).startswith("tangents")]
-            tail = inputs[len(inputs) - len(BUFFERS) * len(state_keys) :]
-            states = {key: tuple(tail[i * len(BUFFERS) : (i + 1) * len(BUFFERS)]) for i, key in enumerate(state_keys)}
-            delayed = DelayedInputs(states, _amax_group_name(state))
+        if delayed_handle:
+            handle = [n for n in gm.graph.nodes if n.op == "placeholder" and not str(n.target).startswith("tangents")][-1]
+            delayed = DelayedInputs(handle, _amax_group_name(state))
         ctx = PassContext(self.policy, self.fuse_epilogues, self.kernels, dict(self.overrides), param_inputs, taps, delayed, self.saved_outputs,
                           self.weight_fp8)  # fmt: skip
         gm = run_passes(gm, ctx, REWRITE_PASSES)
         index = len(self.graphs)
         ops = [OpRecord.make(index, kind, ann) for ann in annotations(gm.graph)]
-        self.graphs.append(GraphRecord(index, kind, ops, params, state, traffic))
+        self.graphs.append(GraphRecord(index, kind, ops, params, state, traffic, delayed_states=ctx.delayed_states))
         return gm
 
     def _keep(self, kind: str, gm: fx.GraphModule) -> None:
@@ -431,49 +413,44 @@ class Fp8fxBackend:
             compiled = compile_fx(gm, example_inputs)
         made = self.graphs[first:]
         if records_key is not None and made:
-            cache.save_records(records_key, [{"kind": g.kind, "ops": g.ops, "non_gemm_bytes": g.non_gemm_bytes} for g in made])
+            kept = [{"kind": g.kind, "ops": g.ops, "non_gemm_bytes": g.non_gemm_bytes, "delayed_states": g.delayed_states} for g in made]
+            cache.save_records(records_key, kept)
         elif records_key is not None:  # served from Inductor's cache: the pass did not run
             for g in cache.load_records(records_key):
                 index = len(self.graphs)
                 ops = [replace(op, graph=index) for op in g["ops"]]
-                self.graphs.append(GraphRecord(index, g["kind"], ops, rewrite.params, rewrite.state, g["non_gemm_bytes"]))
+                params, state = rewrite.params, rewrite.state
+                self.graphs.append(GraphRecord(index, g["kind"], ops, params, state, g["non_gemm_bytes"], g["delayed_states"]))
         return compiled
 
 
-class _Planned(Exception):
-    def __init__(self, states: dict[str, int]):
-        super().__init__("fp8fx planning trace (not an error)")
-        self.states = states
-
-
-def _with_extra_inputs(gm: fx.GraphModule, n: int) -> fx.GraphModule:
-    """A copy of Dynamo's graph that takes `n` more (unused) inputs at the end."""
+def _with_handle_input(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of Dynamo's graph that takes one more input at the end: delayed scaling's handle."""
     gm = copy.deepcopy(gm)
     last = [p for p in gm.graph.nodes if p.op == "placeholder"][-1]
-    for i in range(n):
-        with gm.graph.inserting_after(last):
-            last = gm.graph.placeholder(f"fp8fx_state_{i}")
-        last._dynamo_source = None
+    with gm.graph.inserting_after(last):
+        gm.graph.placeholder("fp8fx_delayed_handle")._dynamo_source = None
     gm.recompile()
     return gm
 
 
 class _Rewrite:
-    """The rewrite bound to one Dynamo graph (its parameters and delayed-scaling states)."""
+    """The rewrite bound to one Dynamo graph (its parameters, and with delayed scaling the model's
+    state and the handle input)."""
 
     def __init__(self, backend: Fp8fxBackend, params: list[weakref.ref], param_inputs: frozenset[int]):
         self.backend, self.params, self.param_inputs = backend, params, param_inputs
-        self.state_keys: list[str] = []
         self.state: Fp8State | None = None
+        self.delayed_handle = False
 
     def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
-        return self.backend.rewrite(gm, self.params, self.state_keys, self.state, self.param_inputs)
+        return self.backend.rewrite(gm, self.params, self.state, self.param_inputs, self.delayed_handle)
 
     def pass_key(self) -> str | None:
-        """The backend's cache key with what this graph's rewrite adds (parameter inputs, delayed states)."""
+        """The backend's cache key with what this graph's rewrite adds (parameter inputs, amax group)."""
         key = self.backend.cache_key()
-        group = _amax_group_name(self.state) if self.state_keys else None
-        return cache.pass_key({"backend": key, "params": sorted(self.param_inputs), "states": self.state_keys, "group": group}) if key else None
+        group = _amax_group_name(self.state) if self.delayed_handle else None
+        return cache.pass_key({"backend": key, "params": sorted(self.param_inputs), "group": group}) if key else None
 
 
 class _InductorJointPass(CustomGraphPass):

@@ -81,7 +81,7 @@ def _records_path(key: str) -> Path:
 
 
 def save_records(key: str, graphs: list[dict[str, Any]]) -> None:
-    """Keep the records of the graphs one compile made: (kind, ops, non_gemm_bytes) each."""
+    """Keep the records of the graphs one compile made: kind, ops, non_gemm_bytes and delayed_states each."""
     path = _records_path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = [{**g, "ops": [asdict(op) for op in g["ops"]]} for g in graphs]

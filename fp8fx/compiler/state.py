@@ -4,9 +4,9 @@
 their children, like `nn.Sequential`, stay unchanged) and state-dict hooks, so the state appears
 in `model.state_dict()` under `fp8fx_state.` and `load_state_dict` restores it. The backend fills
 it when it compiles a graph that uses delayed scaling: one `DelayedScalingState` per FP8 cast,
-named after the first GEMM operand that needs it (`layers.0.q_proj.output.input`). The buffers
-are graph inputs, updated inside the compiled graph every step, so a run resumed from a
-checkpoint continues with the same scales. A checkpoint may be loaded before the first compile:
+named after the first GEMM operand that needs it (`layers.0.q_proj.output.input`). Compiled
+graphs read and update the buffers in place every step (through a handle, `fp8fx.ops.delayed`),
+so a run resumed from a checkpoint continues with the same scales. A checkpoint may be loaded before the first compile:
 its values wait until the buffers are created.
 """
 
@@ -149,6 +149,23 @@ def instance_keys(keys: list[str], prefix: str) -> list[str]:
     if not prefix or any(key.startswith(prefix) for key in keys):
         return list(keys)
     return [prefix + key for key in keys]
+
+
+class StateInstance:
+    """The states one module instance's graphs read (`fp8fx.ops.delayed`): the model's `Fp8State`
+    and the name each graph key has for this instance (`instance_keys`). Looked up by name on every
+    call, so a `load_state_dict(assign=True)` is picked up too."""
+
+    def __init__(self, owner: Fp8State, names: dict[str, str]):
+        self.owner, self.names = owner, names
+
+    def state(self, key: str) -> DelayedScalingState:
+        found = self.owner.get(self.names[key]) if key in self.names else None
+        if found is None:
+            raise RuntimeError(
+                f"fp8fx: the model has no delayed-scaling state {self.names.get(key, key)!r} for this graph's key {key!r}"
+            )
+        return found
 
 
 def state_for(params: list[torch.Tensor]) -> Fp8State | None:

@@ -39,36 +39,6 @@ pad_groups = custom_op("fp8fx::pad_groups", reference.pad_groups, mutates_args=(
 fp8_grouped_mm = custom_op("fp8fx::fp8_grouped_mm", reference.fp8_grouped_mm, mutates_args=())
 
 
-@custom_op("fp8fx::delayed_scale_step", mutates_args=("amax_history", "scale", "steps", "non_finite"))
-def delayed_scale_step(
-    amax_history: Tensor,
-    scale: Tensor,
-    steps: Tensor,
-    non_finite: Tensor,
-    amax: Tensor,
-    fp8_max: float,
-    margin: int,
-    power_of_two: bool,
-    most_recent: bool,
-    interval: int,
-) -> Tensor:
-    """`delayed_scale_update` applied to the state in place; returns a copy of the new scale (a
-    value the graph keeps, so that partitioning keeps the op). In place rather than functional
-    plus `copy_` into the graph's state inputs: Inductor compiled those copies into kernels of
-    their own (three more C++ or Triton builds per graph)."""
-    updated = reference.delayed_scale_update(
-        amax_history, scale, steps, non_finite, amax, fp8_max, margin, power_of_two, most_recent, interval
-    )
-    for state, value in zip((amax_history, scale, steps, non_finite), updated):
-        state.copy_(value)
-    return updated[1]
-
-
-@delayed_scale_step.register_fake
-def _(amax_history, scale, steps, non_finite, amax, fp8_max, margin, power_of_two, most_recent, interval):
-    return torch.empty_like(scale)
-
-
 @custom_op("fp8fx::saved_copy", mutates_args=())
 def saved_copy(x: Tensor, dtype: torch.dtype) -> Tensor:
     """`x` in `dtype`: the narrower copy of a GEMM output that backward reads

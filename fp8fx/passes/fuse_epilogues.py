@@ -190,7 +190,10 @@ class _Fuser:
             ep = replace(ep, out_amax=True)
         # The result's only use is a tensorwise FP8 cast with a scale known before the GEMM
         # (delayed scaling: read from state) and its amax: the kernel writes FP8 directly.
-        casts = [u for u in final.users if u.target == fp8fx_ops.cast.default and list(u.args[3]) == [] and u.args[1].op == "placeholder"]
+        casts = [
+            u for u in final.users
+            if u.target == fp8fx_ops.cast.default and list(u.args[3]) == [] and u.args[1].target == fp8fx_ops.delayed_scale.default
+        ]  # fmt: skip
         inputs["fp8_cast"] = casts[0] if len(casts) == 1 and set(final.users) == {*casts, *amax_users} else None
         return ep, inputs, final, aux_node, amax_users, absorbed
 

@@ -53,10 +53,11 @@ class Taps:
 
 @dataclass(frozen=True)
 class DelayedInputs:
-    """The graph inputs holding each delayed-scaling state: state key -> (amax_history, scale,
-    steps, non_finite), and the process group (name) each amax is reduced over (None: one process)."""
+    """Delayed scaling's graph input: the handle `fp8fx::delayed_scale` and `delayed_scale_step`
+    find the states by (`fp8fx.ops.delayed`), and the process group (name) each amax is reduced
+    over (None: one process)."""
 
-    states: dict[str, tuple]
+    handle: fx.Node
     amax_group: str | None = None
 
 
@@ -75,8 +76,8 @@ class PassContext:
     overrides: dict = field(default_factory=dict)
     param_inputs: frozenset[int] | None = None
     taps: Taps = Taps()
-    # Delayed scaling's state inputs; without them (planning a compile) the casts are made with
-    # dynamic scales and only the states' keys are recorded.
+    # Delayed scaling's handle input; without it (ONNX export) the casts are made with dynamic scales
+    # and only the states' keys are recorded.
     delayed: DelayedInputs | None = None
     # What FP8 GEMM outputs that backward reads are saved as: "bf16" (fp32 outputs narrowed,
     # fp8fx.passes.saved_outputs) or "high" (as computed).

@@ -2,8 +2,9 @@
 
 For each FP8 GEMM, each operand gets `fp8fx::amax -> fp8fx::amax_to_scale -> fp8fx::cast` (and
 `fp8fx::scale_inverse`), and the GEMM becomes `fp8fx::scaled_mm`. With delayed scaling the cast
-reads the scale from the state's graph input, and `fp8fx::delayed_scale_step`, at the end of the
-graph, records the amax and updates the state in place. Casts are made on the operand's
+takes the state's scale from `fp8fx::delayed_scale` at the graph's start, and
+`fp8fx::delayed_scale_step`, at its end, records the amax and updates the state in place (both
+find the state through the graph's handle input, `fp8fx.ops.delayed`). Casts are made on the operand's
 root tensor (before transposes, views and dtype casts) and cached per (root, format), so the
 weight's E4M3 copy serves both output and grad_input, and the input's E4M3 copy serves output and
 grad_weight: after partitioning, backward consumes the FP8 tensors forward made.
@@ -111,33 +112,26 @@ class _Inserter:
             amax = self.add(fp8fx_ops.amax.default, (x, block), tag_from=tag_from)
             if spec.delayed is not None:
                 self.ctx.delayed_states[state_key] = spec.delayed.history_len
-            state = self.ctx.delayed.states[state_key] if spec.delayed is not None and self.ctx.delayed is not None else None
-            if state is None:  # dynamic scaling (or planning a delayed-scaling compile)
+            delayed = self.ctx.delayed if spec.delayed is not None else None
+            if delayed is None:  # dynamic scaling (or an export, which casts with dynamic scales)
                 args = (amax, fmt.max, spec.margin, spec.power_of_two, spec.rounding)
                 scale = self.add(fp8fx_ops.amax_to_scale.default, args, tag_from=tag_from)
             else:  # delayed: cast with the scale in use, then record this amax and update the state
-                scale = state[1]
+                scale = self.read_scale(state_key, x.meta["val"].device)
                 d = spec.delayed
-                if self.ctx.delayed.amax_group is not None:  # every rank updates from the same amax
-                    group = self.ctx.delayed.amax_group
-                    amax = self.add(torch.ops._c10d_functional.all_reduce.default, (amax, "max", group), tag_from=tag_from)
+                if delayed.amax_group is not None:  # every rank updates from the same amax
+                    reduce = (amax, "max", delayed.amax_group)
+                    amax = self.add(torch.ops._c10d_functional.all_reduce.default, reduce, tag_from=tag_from)
                     amax = self.add(torch.ops._c10d_functional.wait_tensor.default, (amax,), tag_from=tag_from)
-                update_args = (
-                    *state,
-                    amax,
-                    fmt.max,
-                    spec.margin,
-                    spec.power_of_two,
-                    d.algo is AmaxComputeAlgo.MOST_RECENT,
-                    d.interval,
-                )
+                most_recent = d.algo is AmaxComputeAlgo.MOST_RECENT
+                update_args = (delayed.handle, state_key, amax, fmt.max, spec.margin, spec.power_of_two, most_recent, d.interval)
             computed = [amax, scale]  # what backward makes again with weight_fp8="recompute" (not the tap)
             if self.ctx.taps.monitor is not None:  # the runtime monitor samples what this cast receives
                 tap_args = (scale, [x], self.ctx.taps.monitor, Monitor.tap_key(state_key, fmt, block))
                 scale = self.add(fp8fx_ops.tap.default, tap_args, tag_from=tag_from)
             fp8 = self.add(fp8fx_ops.cast.default, (x, scale, fmt.dtype, block), tag_from=tag_from)
             scale_inv = self.add(fp8fx_ops.scale_inverse.default, (scale,), tag_from=tag_from)
-        if state is not None:
+        if delayed is not None:
             with self.graph.inserting_before(self.output):  # after every read of the state's old values
                 self.add(fp8fx_ops.delayed_scale_step.default, update_args, tag_from=tag_from)
         if x in self.weights:  # backward casts the weight again
@@ -146,6 +140,14 @@ class _Inserter:
         q = Quantized(fp8, scale_inv, state_key if spec.delayed is not None else None)
         self.cache[(x, spec)] = q
         return q
+
+    def read_scale(self, key: str, device: torch.device) -> fx.Node:
+        """The scale state `key` holds, read at the graph's start: before any GEMM whose fused
+        epilogue writes FP8 with it. In a joint graph the partitioner puts the reads only backward
+        needs into backward, which gets the handle."""
+        handle = self.ctx.delayed.handle
+        with self.graph.inserting_before(next(n for n in self.graph.nodes if n.op != "placeholder")):
+            return self.add(fp8fx_ops.delayed_scale.default, (handle, key, device), tag_from=handle)
 
     def quantize_nvfp4(self, x: fx.Node, spec: CastSpec, at: fx.Node, tag_from: fx.Node, key: str) -> Quantized:
         """NVFP4: block amaxes -> the two-level scales (and their inverses) -> the E2M1 cast."""

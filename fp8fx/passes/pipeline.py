@@ -22,12 +22,6 @@ ANALYSIS_PASSES: tuple[Pass, ...] = (find_matmuls, assign_precision)
 REWRITE_PASSES: tuple[Pass, ...] = (
     lower_patch_convs, *ANALYSIS_PASSES, insert_probes, insert_casts, fuse_epilogues, saved_outputs, verify
 )  # fmt: skip
-PLANNING_PASSES: tuple[Pass, ...] = (
-    lower_patch_convs,
-    *ANALYSIS_PASSES,
-    insert_probes,
-    insert_casts,
-)  # to learn the delayed-scaling states
 
 
 class PassError(RuntimeError):

@@ -35,6 +35,7 @@ CHILD = textwrap.dedent("""
     print(json.dumps({
         "report": fp8fx.report(backend).to_dict(), "loss": loss.item(), "grad": model[0].weight.grad.sum().item(),
         "aot_hits": counters["aot_autograd"]["autograd_cache_hit"], "fx_hits": counters["inductor"]["fxgraph_cache_hit"],
+        "states": {k: v.tolist() for k, v in model.state_dict().items() if k.startswith("fp8fx_state.")},
     }, default=str))
 """)
 
@@ -56,6 +57,8 @@ def test_a_second_process_is_served_from_the_cache_with_the_same_report(tmp_path
     assert kinds.count("training") == 5 and kinds.count("inference") == 2  # x needs no grad: no grad_input for layer 0
     assert warm["report"] == cold["report"]
     assert (warm["loss"], warm["grad"]) == (cold["loss"], cold["grad"])  # the same compiled code, bit for bit
+    # Delayed scaling: the warm process makes its states from the records and updates them as the cold one did.
+    assert warm["states"] == cold["states"] and len(cold["states"]) == (4 * 6 if recipe == "delayed" else 0)
     assert len(list((tmp_path / RECORDS_DIR).glob("*.json"))) == 2
 
 

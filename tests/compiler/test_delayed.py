@@ -207,3 +207,33 @@ def test_inductor_updates_the_states_in_place_as_eager_does():
             assert torch.equal(a, b), name
     for a, b in zip(grads, inductor_grads):  # Inductor's fused kernels round differently
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_one_trace_per_graph_and_one_handle_input(inner):
+    """Delayed scaling compiles a graph with a single aot_autograd trace (no planning trace: the
+    states are found by key through one handle input), creates its states at compile time, and
+    reads each state once, before any state is updated."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model = fp8fx.prepare(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)))
+    backend = fp8fx.backend(Policy.from_recipe("delayed"), inner=inner, keep_graphs=True)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    x = torch.randn(8, 32)
+    out = compiled(x)
+    assert counters["aot_autograd"]["total"] == 1
+    assert len(model.fp8fx_state.states) == 6  # before backward has run: made when the graph was compiled
+    out.sum().backward()
+    assert counters["aot_autograd"]["total"] == 1
+    if inner == "eager":
+        (_, forward), (_, backward) = backend.kept_graphs
+        inputs = [n for n in forward.graph.nodes if n.op == "placeholder"]
+        assert len(inputs) == 6 and inputs[-1].meta["val"].dtype == torch.int64  # 2 weights, 2 biases, x, handle
+        read, step = torch.ops.fp8fx.delayed_scale.default, torch.ops.fp8fx.delayed_scale_step.default
+        reads = [n for n in forward.graph.nodes if n.target == read]
+        assert len(reads) == 4 and all(r.args[0] is inputs[-1] for r in reads)  # x, w0, x1, w1
+        assert next(n for n in forward.graph.nodes if n.op != "placeholder") is reads[0]
+        # Backward reads its gradients' states itself (the handle is saved), before it steps them.
+        order = [n.target for n in backward.graph.nodes if n.target in (read, step)]
+        assert order == [read] * 2 + [step] * 2
