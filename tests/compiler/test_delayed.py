@@ -237,3 +237,47 @@ def test_one_trace_per_graph_and_one_handle_input(inner):
         # Backward reads its gradients' states itself (the handle is saved), before it steps them.
         order = [n.target for n in backward.graph.nodes if n.target in (read, step)]
         assert order == [read] * 2 + [step] * 2
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.blocks, self.checkpointed = nn.ModuleList([_Block(), _Block()]), checkpointed
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        return x
+
+
+def _checkpointed_training(checkpointed: bool):
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = fp8fx.prepare(_Checkpointed(checkpointed))
+    compiled = torch.compile(model, backend=fp8fx.backend(Policy.from_recipe("delayed", amax_history_len=4), inner="eager"))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        model.zero_grad()
+        compiled(torch.randn(8, 32, generator=gen) * 3).square().mean().backward()
+    states = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("fp8fx_state.")}
+    return [p.grad.clone() for p in model.parameters()], states
+
+
+def test_activation_checkpointing_steps_each_state_once_per_step():
+    """torch's activation checkpointing recomputes forward in backward; the state updates are not
+    recomputed: the states and gradients are those of the same model without checkpointing."""
+    grads, states = _checkpointed_training(checkpointed=False)
+    ac_grads, ac_states = _checkpointed_training(checkpointed=True)
+    assert len(states) == 4 * 12 and states.keys() == ac_states.keys()
+    assert all(v.item() == 3 for k, v in ac_states.items() if k.endswith(".steps"))
+    assert all(torch.equal(states[k], ac_states[k]) for k in states)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ac_grads))
