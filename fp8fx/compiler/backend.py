@@ -410,7 +410,7 @@ class Fp8fxBackend:
         records_key = cache.graph_key(key, gm, example_inputs) if key is not None else None
         first = len(self.graphs)
         with cache.kept_whole(KEPT_WHOLE), inductor_config.patch(joint_custom_pre_pass=_InductorJointPass(rewrite)):
-            compiled = compile_fx(gm, example_inputs)
+            compiled = compile_fx(gm, example_inputs, inner_compile=_inductor_compile_graph)
         made = self.graphs[first:]
         if records_key is not None and made:
             kept = [{"kind": g.kind, "ops": g.ops, "non_gemm_bytes": g.non_gemm_bytes, "delayed_states": g.delayed_states} for g in made]
@@ -451,6 +451,19 @@ class _Rewrite:
         key = self.backend.cache_key()
         group = _amax_group_name(self.state) if self.delayed_handle else None
         return cache.pass_key({"backend": key, "params": sorted(self.param_inputs), "group": group}) if key else None
+
+
+def _inductor_compile_graph(gm: fx.GraphModule, example_inputs, **kwargs):
+    """Inductor's compile of one partitioned graph; a backward graph first gets its recomputed
+    values moved to their first use, as with inner="eager": Inductor keeps its opaque ops (the FP8
+    casts and GEMMs) in graph order, so the partitioner's order made backward recompute every
+    layer's values (and cast every weight again, weight_fp8="recompute") before its first GEMM."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    if kwargs.get("is_backward"):
+        recompute_at_first_use(gm.graph)
+        gm.recompile()
+    return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
 class _InductorJointPass(CustomGraphPass):

@@ -74,23 +74,16 @@ def test_saved_outputs_option_is_checked():
         fp8fx.backend(saved_outputs="fp8")
 
 
-def test_backward_recomputes_each_value_just_before_its_first_use():
-    """With inner="eager", values backward recomputes from saved ones (each layer's SiLU and
-    products from their BF16 copies) are computed right before the node that first reads them,
-    not all at the start of backward, where every layer's recomputed fp32 values were alive at once."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(GatedBlock(d=64, hidden=128), GatedBlock(d=64, hidden=128))
-    backend = fp8fx.backend(inner="eager", keep_graphs=True)
-    torch.compile(model, backend=backend)(torch.randn(4, 32, 64, requires_grad=True)).square().sum().backward()
-    backward = next(gm for kind, gm in backend.kept_graphs if kind == "backward")
-    nodes = list(backward.graph.nodes)
+def _recomputed_at_first_use(graph) -> set:
+    """The nodes `graph` (a backward graph) computes from saved values alone; asserts each comes
+    right before the first node outside them that reads it."""
+    nodes = list(graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     recomputed: set = set()
     for node in nodes:
         saved = [a.op == "placeholder" and "tangents" not in a.name or a in recomputed for a in node.all_input_nodes]
-        if node.op == "call_function" and saved and all(saved):
+        if node.op == "call_function" and saved and all(saved) and not node.is_impure():
             recomputed.add(node)
-    assert sum(n.target == torch.ops.aten.silu.default for n in recomputed) == 2  # one per layer
 
     def readers(node) -> set:
         """The nodes outside the recomputation that read `node`, directly or through it."""
@@ -104,6 +97,38 @@ def test_backward_recomputes_each_value_just_before_its_first_use():
         first = min(readers(node), key=position.__getitem__)
         between = [n for n in nodes[position[node] + 1 : position[first]] if n not in recomputed]
         assert not between, f"{node} is recomputed before {between}, which do not read it"
+    return recomputed
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_backward_recomputes_each_value_just_before_its_first_use(inner, monkeypatch):
+    """Values backward recomputes from saved ones (each layer's SiLU and products from their BF16
+    copies, the weights' FP8 casts with weight_fp8="recompute") are computed right before the node
+    that first reads them, not all at the start of backward, where every layer's recomputed values
+    were alive at once. Inductor keeps fp8fx's opaque ops in graph order, so its graphs need it too."""
+    from torch._inductor import compile_fx
+
+    checked = []
+    if inner == "inductor":  # check the backward graph Inductor is given
+        compile_inner = compile_fx.compile_fx_inner
+
+        def checking(gm, example_inputs, **kwargs):
+            if kwargs.get("is_backward"):
+                checked.append(_recomputed_at_first_use(gm.graph))
+            return compile_inner(gm, example_inputs, **kwargs)
+
+        monkeypatch.setattr(compile_fx, "compile_fx_inner", checking)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(GatedBlock(d=64, hidden=128), GatedBlock(d=64, hidden=128))
+    backend = fp8fx.backend(inner=inner, keep_graphs=True, weight_fp8="recompute")
+    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+        torch.compile(model, backend=backend)(torch.randn(4, 32, 64, requires_grad=True)).square().sum().backward()
+    if inner == "eager":
+        checked.append(_recomputed_at_first_use(next(gm for kind, gm in backend.kept_graphs if kind == "backward").graph))
+    (recomputed,) = checked
+    casts = [n for n in recomputed if n.target == torch.ops.fp8fx.cast.default]
+    assert len(casts) == 8  # the weights of both blocks' 4 GEMMs, cast again just before their dgrad
+    assert sum(n.target == torch.ops.aten.silu.default for n in recomputed) == 2  # one per layer
 
 
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
