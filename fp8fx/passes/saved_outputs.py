@@ -112,7 +112,8 @@ def recompute_at_first_use(graph: fx.Graph) -> None:
 
     The partitioner emits them in the joint graph's order, all at the start of backward, where
     every layer's recomputed fp32 values would be alive at once (with `inner="eager"` a step's
-    peak memory exceeded fp32's). Inductor schedules its kernels itself."""
+    peak memory exceeded fp32's). Inductor keeps fp8fx's opaque ops in graph order, so the backend
+    runs this on the backward graphs it gives Inductor too."""
     saved = {n for n in graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")}
     lazy: set[fx.Node] = set()
     for node in graph.nodes:
