@@ -6,8 +6,8 @@ in `model.state_dict()` under `fp8fx_state.` and `load_state_dict` restores it. 
 it when it compiles a graph that uses delayed scaling: one `DelayedScalingState` per FP8 cast,
 named after the first GEMM operand that needs it (`layers.0.q_proj.output.input`). Compiled
 graphs read and update the buffers in place every step (through a handle, `fp8fx.ops.delayed`),
-so a run resumed from a checkpoint continues with the same scales. A checkpoint may be loaded before the first compile:
-its values wait until the buffers are created.
+so a run resumed from a checkpoint continues with the same scales. A checkpoint may be loaded
+before the first compile: its values wait until the buffers are created.
 """
 
 from __future__ import annotations
