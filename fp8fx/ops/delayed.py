@@ -20,31 +20,24 @@ schedules a write after the reads before it) and keeps it through dead-code elim
 
 from __future__ import annotations
 
-import itertools
-import weakref
-
 import torch
 from torch import Tensor
 from torch.library import custom_op
 
 from fp8fx.ops import reference
+from fp8fx.ops.registry import Registry
 
-_INSTANCES: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
-_NUMBERS = itertools.count(1)
+_INSTANCES = Registry("delayed-scaling instance", "state")
 
 
 def register(instance) -> Tensor:
     """Register `instance` (held weakly: its owner keeps it alive); returns the handle graphs take."""
-    if not callable(getattr(instance, "state", None)):
-        raise TypeError(f"fp8fx delayed-scaling instance {instance!r} has no state(key) method")
-    number = next(_NUMBERS)
-    _INSTANCES[number] = instance
-    return torch.tensor([number], dtype=torch.int64)
+    return torch.tensor([_INSTANCES.register(instance)], dtype=torch.int64)
 
 
 def _state(handle: Tensor, key: str):
     number = int(handle[0])
-    instance = _INSTANCES.get(number)
+    instance = _INSTANCES.lookup(number)
     if instance is None:
         raise RuntimeError(
             f"fp8fx: delayed-scaling handle {number} names no live model instance: the backend that compiled this graph was dropped"

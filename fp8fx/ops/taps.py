@@ -17,39 +17,33 @@ Handlers are held weakly: a graph outliving its handler (a backend that was drop
 
 from __future__ import annotations
 
-import itertools
-import weakref
-
 import torch
 from torch import Tensor
 
-_HANDLERS: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
-_NUMBERS = itertools.count(1)
+from fp8fx.ops.registry import Registry
+
+_HANDLERS = Registry("tap handler", "tap")
 
 
 def register(handler) -> int:
     """Register `handler` (held weakly); returns the number graphs pass as the tap's `handler`."""
-    if not callable(getattr(handler, "tap", None)):
-        raise TypeError(f"fp8fx tap handler {handler!r} has no tap(key, passthrough, observed) method")
-    number = next(_NUMBERS)
-    _HANDLERS[number] = handler
-    return number
+    return _HANDLERS.register(handler)
 
 
 def unregister(number: int) -> None:
     """Taps with this number do nothing from now on."""
-    _HANDLERS.pop(number, None)
+    _HANDLERS.unregister(number)
 
 
 def lookup(number: int):
     """The handler registered under `number`, or None (never registered, unregistered, or collected)."""
-    return _HANDLERS.get(number)
+    return _HANDLERS.lookup(number)
 
 
 @torch.library.custom_op("fp8fx::tap", mutates_args=())
 def tap(passthrough: Tensor, observed: list[Tensor], handler: int, key: str) -> Tensor:
     """Call the registered handler's `tap(key, passthrough, observed)`; returns a copy of `passthrough`."""
-    found = _HANDLERS.get(handler)
+    found = _HANDLERS.lookup(handler)
     if found is not None:
         found.tap(key, passthrough, observed)
     return passthrough.clone()

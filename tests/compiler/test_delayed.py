@@ -281,3 +281,19 @@ def test_activation_checkpointing_steps_each_state_once_per_step():
     assert all(v.item() == 3 for k, v in ac_states.items() if k.endswith(".steps"))
     assert all(torch.equal(states[k], ac_states[k]) for k in states)
     assert all(torch.equal(a, b) for a, b in zip(grads, ac_grads))
+
+
+def test_state_ops_name_what_they_cannot_find():
+    """A handle whose instance is gone, and a key the instance does not hold: one clear error each."""
+    from fp8fx.compiler.state import StateInstance
+    from fp8fx.ops import delayed
+
+    with pytest.raises(RuntimeError, match="handle 1000000000 names no live model instance"):
+        torch.ops.fp8fx.delayed_scale(torch.tensor([10**9]), "a.output.input", torch.device("cpu"))
+    model = fp8fx.prepare(nn.Linear(4, 4))
+    model.fp8fx_state.ensure("blocks.0.a.output.input", 4, torch.device("cpu"))
+    instance = StateInstance(model.fp8fx_state, {"a.output.input": "blocks.0.a.output.input"})
+    handle = delayed.register(instance)
+    assert torch.ops.fp8fx.delayed_scale(handle, "a.output.input", torch.device("cpu")).item() == 1.0
+    with pytest.raises(RuntimeError, match="no delayed-scaling state 'b.output.input'"):
+        torch.ops.fp8fx.delayed_scale(handle, "b.output.input", torch.device("cpu"))
