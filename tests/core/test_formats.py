@@ -1,9 +1,10 @@
-"""The exact FP8 -> fp32 upcast the CPU emulation uses (fp8fx.core.formats.upcast)."""
+"""The exact FP8 -> fp32 upcast the CPU emulation uses (fp8fx.core.formats.upcast), and the
+saturating cast."""
 
 import pytest
 import torch
 
-from fp8fx.core.formats import upcast
+from fp8fx.core.formats import Fp8Format, saturating_cast, upcast
 
 ALL_E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
 IS_NAN = (ALL_E4M3.view(torch.uint8) & 0x7F) == 0x7F
@@ -36,6 +37,25 @@ def test_strided_views_keep_values(seed):
     for view in (x, x.t(), x[::2, 1:]):
         out = upcast(view)
         assert torch.equal(bits(out), bits(view.to(torch.float32)))
+
+
+def test_every_e5m2_code_upcasts_bit_exactly():
+    """E5M2 through fp16's bits: every code, infinities, NaN and -0.0 included."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e5m2)
+    out = upcast(codes)
+    reference = codes.to(torch.float32)
+    assert torch.equal(out.isnan(), reference.isnan()) and int(out.isnan().sum()) == 6
+    assert torch.equal(bits(out[~out.isnan()]), bits(reference[~reference.isnan()]))
+    assert torch.equal(bits(upcast(codes.reshape(16, 16).t())), bits(reference.reshape(16, 16).t()))
+
+
+@pytest.mark.parametrize("fmt", [Fp8Format.E4M3, Fp8Format.E5M2])
+def test_saturating_cast_clamps_and_keeps_nan(fmt):
+    x = torch.tensor([0.0, -1.5, 1e6, -1e6, float("inf"), float("-inf"), float("nan"), fmt.max * 1.01])
+    out = saturating_cast(x.clone(), fmt).to(torch.float32)
+    assert out[:2].tolist() == [0.0, -1.5]
+    assert out[[2, 4, 7]].tolist() == [fmt.max] * 3 and out[[3, 5]].tolist() == [-fmt.max] * 2
+    assert out[6].isnan()
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e5m2, torch.float8_e4m3fn])
