@@ -346,8 +346,14 @@ class Fp8fxBackend:
         run._boxed_call = getattr(fn, "_boxed_call", False)
         return run
 
-    def rewrite(self, gm: fx.GraphModule, params: list[weakref.ref], state: Fp8State | None = None,
-                param_inputs: frozenset[int] | None = None, delayed_handle: bool = False) -> fx.GraphModule:
+    def rewrite(
+        self,
+        gm: fx.GraphModule,
+        params: list[weakref.ref],
+        state: Fp8State | None = None,
+        param_inputs: frozenset[int] | None = None,
+        delayed_handle: bool = False,
+    ) -> fx.GraphModule:
         """Run the FP8 passes on an ATen graph (joint or inference) and record the decisions.
 
         `delayed_handle`: the graph's last input (before the tangents) is delayed scaling's handle."""
@@ -413,7 +419,10 @@ class Fp8fxBackend:
             compiled = compile_fx(gm, example_inputs, inner_compile=_inductor_compile_graph)
         made = self.graphs[first:]
         if records_key is not None and made:
-            kept = [{"kind": g.kind, "ops": g.ops, "non_gemm_bytes": g.non_gemm_bytes, "delayed_states": g.delayed_states} for g in made]
+            kept = [
+                {"kind": g.kind, "ops": g.ops, "non_gemm_bytes": g.non_gemm_bytes, "delayed_states": g.delayed_states}
+                for g in made
+            ]
             cache.save_records(records_key, kept)
         elif records_key is not None:  # served from Inductor's cache: the pass did not run
             for g in cache.load_records(records_key):
