@@ -299,7 +299,7 @@ class Fp8fxBackend:
         for every instance of a module compiled alone (each block), so the handle is chosen per
         call by the parameters the graph receives."""
         found = locate(param_objs)
-        rewrite.state, rewrite.delayed_handle = (found[0] if found is not None else None), True
+        rewrite.state = found[0] if found is not None else None
         first = len(self.graphs)
         handle = torch.zeros(1, dtype=torch.int64)
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
@@ -352,11 +352,11 @@ class Fp8fxBackend:
         params: list[weakref.ref],
         state: Fp8State | None = None,
         param_inputs: frozenset[int] | None = None,
-        delayed_handle: bool = False,
     ) -> fx.GraphModule:
         """Run the FP8 passes on an ATen graph (joint or inference) and record the decisions.
 
-        `delayed_handle`: the graph's last input (before the tangents) is delayed scaling's handle."""
+        With delayed scaling the graph's last input (before the tangents) is the handle its state
+        ops take (`_build_delayed` adds it to every graph this backend compiles)."""
         kind = _graph_kind(gm)
         traffic = non_gemm_bytes(gm.graph)
         taps = Taps(
@@ -366,7 +366,7 @@ class Fp8fxBackend:
             graph_index=len(self.graphs),
         )
         delayed = None
-        if delayed_handle:
+        if self.policy.uses_delayed_scaling:
             handle = [n for n in gm.graph.nodes if n.op == "placeholder" and not str(n.target).startswith("tangents")][-1]
             delayed = DelayedInputs(handle, _amax_group_name(state))
         ctx = PassContext(self.policy, self.fuse_epilogues, self.kernels, dict(self.overrides), param_inputs, taps, delayed, self.saved_outputs,
@@ -397,8 +397,7 @@ class Fp8fxBackend:
             def compiler(gm, _inputs):
                 gm = rewrite(gm) if kind == "inference" else gm
                 if kind == "backward":
-                    recompute_at_first_use(gm.graph)
-                    gm.recompile()
+                    recompute_at_first_use(gm)
                 self._keep(kind, gm)
                 return make_boxed_func(gm)
 
@@ -444,21 +443,19 @@ def _with_handle_input(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 class _Rewrite:
-    """The rewrite bound to one Dynamo graph (its parameters, and with delayed scaling the model's
-    state and the handle input)."""
+    """The rewrite bound to one Dynamo graph (its parameters and, with delayed scaling, the model's state)."""
 
     def __init__(self, backend: Fp8fxBackend, params: list[weakref.ref], param_inputs: frozenset[int]):
         self.backend, self.params, self.param_inputs = backend, params, param_inputs
-        self.state: Fp8State | None = None
-        self.delayed_handle = False
+        self.state: Fp8State | None = None  # delayed scaling: the model's state
 
     def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
-        return self.backend.rewrite(gm, self.params, self.state, self.param_inputs, self.delayed_handle)
+        return self.backend.rewrite(gm, self.params, self.state, self.param_inputs)
 
     def pass_key(self) -> str | None:
         """The backend's cache key with what this graph's rewrite adds (parameter inputs, amax group)."""
         key = self.backend.cache_key()
-        group = _amax_group_name(self.state) if self.delayed_handle else None
+        group = _amax_group_name(self.state)  # None without delayed scaling (no state) or with one process
         return cache.pass_key({"backend": key, "params": sorted(self.param_inputs), "group": group}) if key else None
 
 
@@ -470,8 +467,7 @@ def _inductor_compile_graph(gm: fx.GraphModule, example_inputs, **kwargs):
     from torch._inductor.compile_fx import compile_fx_inner
 
     if kwargs.get("is_backward"):
-        recompute_at_first_use(gm.graph)
-        gm.recompile()
+        recompute_at_first_use(gm)
     return compile_fx_inner(gm, example_inputs, **kwargs)
 
 

@@ -106,14 +106,15 @@ def saved_outputs(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     return PassResult(gm, modified=modified)
 
 
-def recompute_at_first_use(graph: fx.Graph) -> None:
+def recompute_at_first_use(gm: fx.GraphModule) -> None:
     """Move the forward ops a backward graph recomputes from saved values (the replicas above,
-    min-cut's own recomputation) to just before their first use.
+    min-cut's own recomputation) to just before their first use, and recompile `gm`.
 
     The partitioner emits them in the joint graph's order, all at the start of backward, where
     every layer's recomputed fp32 values would be alive at once (with `inner="eager"` a step's
     peak memory exceeded fp32's). Inductor keeps fp8fx's opaque ops in graph order, so the backend
     runs this on the backward graphs it gives Inductor too."""
+    graph = gm.graph
     saved = {n for n in graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")}
     lazy: set[fx.Node] = set()
     for node in graph.nodes:
@@ -138,3 +139,4 @@ def recompute_at_first_use(graph: fx.Graph) -> None:
     for before, node in itertools.pairwise(order):
         before.append(node)
     graph.lint()
+    gm.recompile()

@@ -63,3 +63,9 @@ def test_other_inputs_match_torch(dtype):
     codes = torch.arange(256, dtype=torch.uint8).view(dtype)
     assert torch.equal(upcast(codes).nan_to_num(), codes.to(torch.float32).nan_to_num())
     assert upcast(codes[:0]).shape == (0,)
+
+
+def test_a_tensor_that_is_not_fp8_takes_torchs_conversion():
+    """The branch every non-CPU tensor takes (`x.to(torch.float32)`), run here on a CPU one."""
+    x = torch.tensor([1.5, -2.0, 3.0e38], dtype=torch.bfloat16)
+    assert torch.equal(bits(upcast(x)), bits(x.to(torch.float32)))
