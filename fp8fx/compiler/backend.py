@@ -414,7 +414,10 @@ class Fp8fxBackend:
         key = rewrite.pass_key()
         records_key = cache.graph_key(key, gm, example_inputs) if key is not None else None
         first = len(self.graphs)
-        with cache.kept_whole(KEPT_WHOLE), inductor_config.patch(joint_custom_pre_pass=_InductorJointPass(rewrite)):
+        with (
+            cache.kept_whole(KEPT_WHOLE) as decompositions,
+            inductor_config.patch(joint_custom_pre_pass=_InductorJointPass(rewrite, decompositions)),
+        ):
             compiled = compile_fx(gm, example_inputs, inner_compile=_inductor_compile_graph)
         made = self.graphs[first:]
         if records_key is not None and made:
@@ -472,12 +475,12 @@ def _inductor_compile_graph(gm: fx.GraphModule, example_inputs, **kwargs):
 
 
 class _InductorJointPass(CustomGraphPass):
-    def __init__(self, rewrite: _Rewrite):
-        self.rewrite = rewrite
+    def __init__(self, rewrite: _Rewrite, decompositions: dict):
+        self.rewrite, self.decompositions = rewrite, decompositions  # the ops kept whole for the FP8 passes
 
     def __call__(self, graph: fx.Graph) -> None:
         self.rewrite(graph.owning_module)
-        decompose_nodes(graph, KEPT_WHOLE)
+        decompose_nodes(graph, self.decompositions)
 
     def uuid(self) -> str | None:
         # With a key, a cached compile skips the pass; the backend then reads its records back.

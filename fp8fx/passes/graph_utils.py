@@ -157,8 +157,9 @@ def add_node(graph: fx.Graph, fake_mode, target, args: tuple, kwargs: dict | Non
     return node
 
 
-def decompose_nodes(graph: fx.Graph, targets) -> int:
-    """Replace each call of `targets` by its decomposition from Inductor's table, in place.
+def decompose_nodes(graph: fx.Graph, decompositions: dict) -> int:
+    """Replace each call of an op in `decompositions` by its decomposition, in place (what it
+    decomposes to is traced with Inductor's table too).
 
     Returns how many nodes were replaced; a node whose decomposition declines (returns
     NotImplemented for its shapes) stays. The subgraphs are traced on the nodes' fake values, so
@@ -166,11 +167,11 @@ def decompose_nodes(graph: fx.Graph, targets) -> int:
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in targets]
+    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in decompositions]
     if not nodes:
         return 0
     fake_mode = fake_mode_of(graph)
-    table = select_decomp_table()
+    table = {**select_decomp_table(), **decompositions}
     replaced = 0
     for node in nodes:
         tensor_args = [a for a in node.args if isinstance(a, fx.Node)]
@@ -180,7 +181,7 @@ def decompose_nodes(graph: fx.Graph, targets) -> int:
             return _target(*tensors, *_rest, **_kwargs)
 
         with fake_mode:
-            if node.target not in table or table[node.target](*node_values(node.args), **node_values(node.kwargs)) is NotImplemented:
+            if table[node.target](*node_values(node.args), **node_values(node.kwargs)) is NotImplemented:
                 continue
             sub = make_fx(fn, decomposition_table=table)(*[a.meta["val"] for a in tensor_args])
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]

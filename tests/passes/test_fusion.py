@@ -153,13 +153,48 @@ def test_delayed_scaling_consumer_gets_fp8_straight_from_the_epilogue():
         assert sqnr(fused, unfused) >= 40
 
 
-def test_inductor_sees_whole_activations_and_fuses_them():
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("table_cached_first", [False, True])
+def test_inductor_sees_whole_activations_and_fuses_them(table_cached_first, training, monkeypatch):
+    """Activations reach the FP8 passes whole, and what the passes leave of them is decomposed
+    before Inductor lowers it (not run as ATen fallbacks), whichever compile first filled
+    Inductor's cached decomposition table in this process; the table is whole afterwards."""
+    from torch._inductor import compile_fx, decomposition
+
+    decomposition.fast_random_decomps.cache_clear()
+    if table_cached_first:  # as after a plain Inductor compile
+        decomposition.select_decomp_table()
+    lowered = []
+    compile_inner = compile_fx.compile_fx_inner
+
+    def recording(gm, example_inputs, **kwargs):
+        lowered.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return compile_inner(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", recording)
     torch.manual_seed(0)
     model = GatedBlock()
     backend = fp8fx.backend(inner="inductor")
-    x = torch.randn(2, 16, 64)
-    with torch.no_grad():
-        out, ref = torch.compile(model, backend=backend)(x), model(x)
-    epilogues = {op.site: op.epilogue for op in fp8fx.report(backend).ops}
-    assert epilogues["fc"] == "bias,act=gelu,amax" and epilogues["gate"] == "act=silu,mul,amax"
-    assert sqnr(out, ref) >= OUTPUT_SQNR_DB
+    x = torch.randn(2, 16, 64, requires_grad=training)
+    with (
+        torch._functorch.config.patch(enable_autograd_cache=False),
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch.set_grad_enabled(training),
+    ):
+        out = torch.compile(model, backend=backend)(x)
+        if training:
+            out.square().sum().backward()
+    epilogues = {op.site: op.epilogue for op in fp8fx.report(backend).ops if op.role == "output"}
+    if training:  # silu(gate) * up fuses into up's GEMM; the pre-activations are saved for backward
+        assert epilogues == {
+            "fc": "bias,act=gelu,aux=pre_activation,amax",
+            "gate": "",
+            "up": "mul,aux=pre_activation,amax",
+            "down": "residual",
+        }
+    else:
+        assert epilogues == {"fc": "bias,act=gelu,amax", "gate": "act=silu,mul,amax", "up": "", "down": "residual"}
+    assert sqnr(out.detach(), model(x).detach()) >= OUTPUT_SQNR_DB
+    whole = {torch.ops.aten.silu.default, torch.ops.aten.gelu.default, torch.ops.aten.gelu_backward.default}
+    assert not whole & set(lowered) and (torch.ops.aten.sigmoid.default in lowered) == training  # inference fuses both
+    assert whole - {torch.ops.aten.gelu_backward.default} <= set(decomposition.select_decomp_table())
