@@ -119,12 +119,12 @@ def kept_whole(ops: tuple) -> Iterator[dict]:
     """Inductor's decomposition tables without `ops` while a compile traces. Yields the
     decompositions taken out, for the joint pass to apply to what the FP8 passes left. (Passing a
     table of one's own to compile_fx makes the FX graph cache bypass every graph: it cannot key it.)
-    Inductor caches its merged table on first use, so that copy loses and regains them too: else
-    whichever compile first filled the cache decided, for the whole process, whether these ops are
-    kept whole for the passes and whether what the passes left could be decomposed."""
+    The table Inductor selects is a merged copy it caches on first use, so that copy loses and
+    regains them too: else whichever compile first filled the cache decided, for the whole process,
+    whether these ops are kept whole for the passes and whether what they left is decomposed."""
     from torch._inductor import decomposition
 
-    tables = (decomposition.decompositions, decomposition.extra_random_decomps, decomposition.fast_random_decomps())
+    tables = (decomposition.decompositions, decomposition.extra_random_decomps, decomposition.select_decomp_table())
     removed = [(table, op, table.pop(op)) for table in tables for op in ops if op in table]
     try:
         yield {op: fn for _, op, fn in removed}  # the merged table's entry last: the one Inductor would use
