@@ -48,7 +48,7 @@ from fp8fx.ops import reference
 from fp8fx.passes.annotation import annotation, state_key
 from fp8fx.passes.assign_precision import assign_precision
 from fp8fx.passes.find_matmuls import find_matmuls, matmul_operands
-from fp8fx.passes.graph_utils import PassContext, strip_layout
+from fp8fx.passes.graph_utils import LAYOUT_OPS, PassContext, strip_layout
 from fp8fx.runtime.numerics import sqnr_db
 from fp8fx.tools.analyze import error_summary
 
@@ -192,7 +192,7 @@ class _AmaxRecorder(fx.Interpreter):
 
 def _rewrite(
     gm: fx.GraphModule, model: nn.Module, policy: Policy, calibration: list[tuple], opset: int
-) -> tuple[list[SiteExport], dict[str, str]]:
+) -> tuple[list[SiteExport], dict[str, tuple[str, ...]]]:
     ctx = PassContext(policy)
     find_matmuls(gm, ctx)
     assign_precision(gm, ctx)
@@ -201,7 +201,7 @@ def _rewrite(
         gemm = site.gemms["output"]
         decision = annotation(gemm.node).decision
         sites.append(SiteExport(site.name, decision.precision.value))
-        gemm_names[site.name] = gemm.node.name
+        gemm_names[site.name] = _fx_names(gemm.node)
         if decision.fp8:
             if not BY_KIND[site.op].exportable:
                 raise ExportError(
@@ -439,15 +439,30 @@ def _check(
     return diff, sqnr
 
 
-def _onnx_nodes(proto, gemm_fx_name: str) -> list[str]:
+def _fx_names(gemm: fx.Node) -> tuple[str, ...]:
+    """The GEMM's FX node name, then the layout ops around it that ONNX's optimizer may fold into
+    the MatMul it becomes, which then carries one of their names (a 3-D product's reshapes): the
+    chain of sole readers after it, and the inputs only it reads."""
+    names, node = [gemm.name], gemm
+    while len(node.users) == 1 and (user := next(iter(node.users))).target in LAYOUT_OPS:
+        names.append(user.name)
+        node = user
+    names += [arg.name for arg in gemm.all_input_nodes if arg.target in LAYOUT_OPS and len(arg.users) == 1]
+    return tuple(names)
+
+
+def _onnx_nodes(proto, fx_names: tuple[str, ...]) -> list[str]:
     """The ONNX nodes a GEMM became (the exporter records the FX node on each), with the
-    DequantizeLinear / QuantizeLinear nodes feeding it."""
+    DequantizeLinear / QuantizeLinear nodes feeding it. `fx_names` are the GEMM's FX node, then
+    the layout ops around it: a MatMul labelled with one of those is the GEMM's, folded."""
+
+    def labelled(node, name: str) -> bool:
+        return any(p.key == "pkg.torch.onnx.fx_node" and p.value.startswith(f"%{name} :") for p in node.metadata_props)
+
     producer = {out: node for node in proto.graph.node for out in node.output}
-    found = [
-        n
-        for n in proto.graph.node
-        if any(p.key == "pkg.torch.onnx.fx_node" and p.value.startswith(f"%{gemm_fx_name} :") for p in n.metadata_props)
-    ]
+    found = [n for n in proto.graph.node if labelled(n, fx_names[0])]
+    if not found:
+        found = [n for n in proto.graph.node if n.op_type in ("MatMul", "Gemm") and any(labelled(n, x) for x in fx_names[1:])]
     queue = list(found)
     while queue:
         for name in queue.pop().input:

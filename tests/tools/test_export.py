@@ -91,6 +91,12 @@ def test_export_runs_in_onnxruntime_and_matches_the_emulation(tmp_path, make, re
     assert nodes.count("DequantizeLinear") == nodes.count("QuantizeLinear") + len(fp8_sites)
     assert fp8_weight_initializers(proto) == result.fp8_weights == len(fp8_sites)
     assert not {n.domain for n in proto.graph.node} - {"", "ai.onnx"}  # no custom ops
+    # Every site, FP8 or high, names the one MatMul / Gemm it became, its own (a 3-D product's
+    # reshapes folded into it included).
+    op_type = {n.name: n.op_type for n in proto.graph.node}
+    products = [[name for name in site.onnx_nodes if op_type[name] in ("MatMul", "Gemm")] for site in result.sites]
+    assert all(len(found) == 1 for found in products), [s.site for s, found in zip(result.sites, products) if len(found) != 1]
+    assert len({found[0] for found in products}) == len(result.sites)
     for site in fp8_sites:
         kinds = [next(n.op_type for n in proto.graph.node if n.name == name) for name in site.onnx_nodes]
         assert sorted(k for k in kinds if "Linear" in k) == ["DequantizeLinear", "DequantizeLinear", "QuantizeLinear"], site
