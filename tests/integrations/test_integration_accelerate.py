@@ -23,9 +23,12 @@ def free_port() -> int:
 
 
 def run(launcher: list[str], mode: str, out: Path, ranks: int = 1) -> list[dict]:
-    done = subprocess.run(
-        [*launcher, str(SCRIPT), "--mode", mode, str(out)], check=False, capture_output=True, text=True, timeout=300
-    )
+    """Each run takes about 6 s here: a run that takes 120 s hangs, and its output says where."""
+    command = [*launcher, str(SCRIPT), "--mode", mode, str(out)]
+    try:
+        done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"{mode} hung; its output:\n{e.stdout}\n{e.stderr}"[-3000:]) from None
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in range(ranks)]
 
@@ -41,10 +44,12 @@ def test_accelerator_prepare_trains_an_fp8fx_model_as_without_accelerate(tmp_pat
 def test_accelerate_launch_on_two_gloo_processes_equals_torchrun_ddp(tmp_path):
     """`accelerate launch` with 2 processes and no GPU runs Accelerate's MULTI_CPU mode: gloo and
     DistributedDataParallel. Its FSDP plugin needs GPUs: on CPU Accelerate wraps in DDP instead."""
+    # The port is drawn just before its launch (one drawn earlier can be taken by then);
+    # torchrun --standalone binds a free one itself.
     accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                   "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]  # fmt: skip
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     accelerated = run(accelerate, "accelerate", tmp_path / "accelerate", ranks=2)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     ddp = run(torchrun, "ddp", tmp_path / "ddp", ranks=2)
     (single,) = run([sys.executable], "plain", tmp_path / "plain")
 
