@@ -13,6 +13,7 @@ Accelerate sees the same data on the same rank.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 
@@ -30,6 +31,8 @@ def main() -> None:
     parser.add_argument("--mode", choices=["plain", "accelerate", "ddp"], required=True)
     parser.add_argument("out")
     args = parser.parse_args()
+    # A run takes seconds: one still going after 90 s is stuck, and says where before it exits.
+    faulthandler.dump_traceback_later(90, exit=True)
 
     torch.manual_seed(0)
     model = TinyTransformer(dim=64, heads=4, layers=1, max_seq=32)

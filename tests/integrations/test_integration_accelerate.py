@@ -29,7 +29,7 @@ def run(launcher: list[str], mode: str, out: Path, ranks: int = 1) -> list[dict]
         done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"{mode} hung; its output:\n{e.stdout}\n{e.stderr}"[-3000:]) from None
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-8000:]  # a stuck rank's stack dump comes before the launcher's summary
     return [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in range(ranks)]
 
 
