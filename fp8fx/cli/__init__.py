@@ -459,7 +459,8 @@ def _why_failed(c: dict) -> str:
     if c["kind"] == "build":
         return f"{c['spill_bytes']} spill bytes, shared memory {c['shared_bytes']}/{c['shared_limit']}, FP8 MMA {c['fp8_mma'] or 'missing'}"
     if c["kind"] == "step":
-        return f"min SQNR {c['min_sqnr_db']} dB"
+        return (f"min SQNR vs fp32 {c['min_sqnr_db']} dB (kernels='scaled_mm': {c['baseline_min_sqnr_db']} dB), "
+                f"a tensor {c['max_shortfall_db']} dB short of kernels='scaled_mm''s")  # fmt: skip
     parts = []  # a GEMM: its failing outputs
     for name, v in c.items():
         if isinstance(v, dict) and v.get("passed") is False:
@@ -470,12 +471,16 @@ def _why_failed(c: dict) -> str:
 
 def _selftest_lines(result) -> list[str]:
     """The summary of a self-test: one line per group of checks, each failure, timings, files."""
+    from fp8fx.codegen import versions
+
     data = result.data
     env = data["environment"]
-    lines = [
-        f"torch {env['torch']}, Triton {env['triton']}, CUDA {env['cuda']}, fp8fx {env['fp8fx']}",
-        f"kernel variants in a training step ({', '.join(sorted({r for v in data['variants'] for r in v['recipes']}))}): {len(data['variants'])}",
-    ]
+    lines = [f"torch {env['torch']}, Triton {env['triton']}, CUDA {env['cuda']}, fp8fx {env['fp8fx']}"]
+    # What this Triton lacks (fp8fx.codegen.versions): the JSON's environment.limits, else this machine's
+    lines += env["limits"] if "limits" in env else versions.limits()
+    lines.append(
+        f"kernel variants in a training step ({', '.join(sorted({r for v in data['variants'] for r in v['recipes']}))}): {len(data['variants'])}"
+    )
     for g in data["summary"]:
         label = _CHECK_LABELS.get((g["kind"], g["where"]), f"{g['kind']} ({g['where']})")
         db = f", min SQNR {g['min_sqnr_db']:.1f} dB" if g["min_sqnr_db"] is not None else ""

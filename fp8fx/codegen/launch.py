@@ -539,10 +539,20 @@ def quantize(
     return out, scale
 
 
-def cast(x: Tensor, scale: Tensor, dtype: torch.dtype, block: tuple = (), *, transpose: bool = False) -> Tensor:
+def _storage_order(x: Tensor) -> list[int]:
+    """The dims of `x` from the outermost in memory to the innermost (a permutation that makes a
+    dense `x` contiguous)."""
+    return sorted(range(x.dim()), key=lambda d: (-x.stride(d), -d))
+
+
+def cast(x: Tensor, scale: Tensor, dtype: torch.dtype, block: tuple = ()) -> Tensor:
     """Saturating cast of `x * scale` to FP8 with scales computed beforehand (`fp8fx::cast`).
 
-    Tensorwise and row-blocked casts of N-D tensors run on the 2-D view [rows, last dim]."""
+    The result is laid out as `torch.empty_like(x)` (the op's fake): a transposed weight or a
+    permuted attention output keeps its layout, as the graph around the op was traced with it.
+    The kernel runs on a 2-D [rows, last dim] view of the input and the output; a tensorwise cast
+    of a dense tensor takes both in memory order, and where no such view exists (row blocks of
+    a permuted tensor) it casts a contiguous copy and lays the result out after."""
     fp8_format_of(dtype)
     block = tuple(block)
     device = _check_device({"x": x, "scale": scale})
@@ -550,12 +560,19 @@ def cast(x: Tensor, scale: Tensor, dtype: torch.dtype, block: tuple = (), *, tra
         raise ValueError(
             f"fp8fx cast: needs a 2-D tensor (N-D only tensorwise or with row blocks of 1), got {tuple(x.shape)} with block {block}"
         )
-    x2 = x.reshape(-1, x.shape[-1])
-    scale2 = scale.reshape(-1, scale.shape[-1]) if block else scale
-    if tuple(scale2.shape) != tuple(scale_shape(x2.shape, block)) or scale.dtype != torch.float32:
+    if tuple(scale.shape) != tuple(scale_shape(x.shape, block)) or scale.dtype != torch.float32:
         raise ValueError(
             f"fp8fx cast: scale must be fp32 of shape {tuple(scale_shape(x.shape, block))}, got {scale.dtype} {tuple(scale.shape)}"
         )
-    out = _empty_fp8(*x2.shape, dtype, device, transpose)
-    _launch_quantize(x2, out, scale2, scale2, QuantizeVariant(x.dtype, dtype, block, scale_given=True))
-    return out if transpose else out.reshape(x.shape)
+    out = torch.empty_like(x, dtype=dtype)
+    x_in, out_in = x, out
+    if not block and out.stride() == x.stride():  # elementwise: any order of dims will do, memory's reads best
+        order = _storage_order(x)
+        x_in, out_in = x.permute(order), out.permute(order)
+    try:
+        x2, out2 = x_in.view(-1, x_in.shape[-1]), out_in.view(-1, x_in.shape[-1])
+    except RuntimeError:  # the leading dims do not flatten into rows of a view
+        return out.copy_(cast(x.contiguous(), scale, dtype, block))
+    scale2 = scale.reshape(-1, scale.shape[-1]) if block else scale
+    _launch_quantize(x2, out2, scale2, scale2, QuantizeVariant(x.dtype, dtype, block, scale_given=True))
+    return out

@@ -85,18 +85,49 @@ def scaled_mm_2d(
     kind = scaled_mm_kind(block_a, block_b)
     if kind == "tensorwise":
         out = torch._scaled_mm(a, b, scale_a=scale_inv_a, scale_b=scale_inv_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
-        return out[:m, :n]
+        return _unpadded(out, m, n, out_dtype)
     if kind == "rowwise":  # a tensorwise side becomes a constant column / row of scales
         sa = _pad_to(scale_inv_a.reshape(-1, 1).expand(m, 1).contiguous(), 0, ALIGN, 1.0)
         sb = _pad_to(scale_inv_b.reshape(1, -1).expand(1, n).contiguous(), 1, ALIGN, 1.0)
         out = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
-        return out[:m, :n].to(out_dtype)
-    sa = _pad_to(scale_inv_a, 0, ALIGN, 1.0)
-    sb = _pad_to(scale_inv_b, 1, ALIGN, 1.0) if block_b == [128, 1] else scale_inv_b
+        return _unpadded(out, m, n, out_dtype)
+    sa, sb = blockwise_scales(scale_inv_a, scale_inv_b, block_a, block_b)
     out = F.scaled_mm(
         a, b, sa, _block_recipe(block_a), sb, _block_recipe(block_b), output_dtype=torch.bfloat16, use_fast_accum=fast_accum
     )
-    return out[:m, :n].to(out_dtype)
+    return _unpadded(out, m, n, out_dtype)
+
+
+def _unpadded(out: Tensor, m: int, n: int, out_dtype: torch.dtype) -> Tensor:
+    """The [m, n] product of a padded GEMM's result, contiguous (as the ops' fakes say) and in `out_dtype`."""
+    return out[:m, :n].to(out_dtype).contiguous()
+
+
+def _k_major(scale: Tensor, k_blocks: int) -> Tensor:
+    """[lines, K-blocks] scales as [round_up(K-blocks, 4), lines] with K-blocks innermost (strides
+    (1, round_up(K-blocks, 4))): cuBLAS's layout for 128x128 blocks; the padding blocks are 1."""
+    lines = scale.shape[0]
+    out = scale.new_ones(lines, -(-k_blocks // 4) * 4)
+    out[:, :k_blocks] = scale
+    return out.t()
+
+
+def blockwise_scales(scale_inv_a: Tensor, scale_inv_b: Tensor, block_a: list[int], block_b: list[int]) -> tuple[Tensor, Tensor]:
+    """fp8fx's blockwise scale inverses ([M or M/128, K/128] for a, [K/128, N or N/128] for b) in
+    the layouts `torch._scaled_mm`'s blockwise GEMMs (cuBLASLt, Hopper) check, torch 2.11 to 2.13
+    alike; rows (columns) of per-line scales padded to 16 with 1s, as the operands are with zeros:
+    1x128: [M, K/128] with strides (1, M) (M-major), b's [N, K/128] with strides (1, N);
+    128x128: [round_up(K/128, 4), M/128] with strides (1, round_up(K/128, 4)) (K-major), b's alike."""
+    k_blocks = scale_inv_a.shape[1]
+    if block_a == [1, 128]:
+        sa = _pad_to(scale_inv_a, 0, ALIGN, 1.0).t().contiguous().t()
+    else:
+        sa = _k_major(scale_inv_a, k_blocks)
+    if block_b == [128, 1]:
+        sb = _pad_to(scale_inv_b, 1, ALIGN, 1.0).contiguous().t()
+    else:
+        sb = _k_major(scale_inv_b.t(), k_blocks)
+    return sa, sb
 
 
 def scaled_mm_cuda(
@@ -163,7 +194,8 @@ def fp8_gemm_cpu(*args, gpu_kernel: str, fast_accum: bool):
 
 
 def cast_cuda(x: Tensor, scale: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:
-    """`fp8fx::cast` on CUDA: the generated cast kernel (the reference for batched blocks, or without Triton)."""
+    """`fp8fx::cast` on CUDA: the generated cast kernel (the reference for 1-D tensors, batched
+    blocks, or without Triton). Either way laid out as the fake says (`torch.empty_like(x)`)."""
     if not triton_available() or x.dim() < 2 or (x.dim() > 2 and block and block[0] != 1):  # batched blocks (bmm operands): rare
         return reference.cast(x, scale, dtype, block)
     from fp8fx.codegen.launch import cast
@@ -171,7 +203,13 @@ def cast_cuda(x: Tensor, scale: Tensor, dtype: torch.dtype, block: list[int]) ->
     return cast(x, scale, dtype, tuple(block))
 
 
+def cast_cpu(x: Tensor, scale: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:
+    """`fp8fx::cast` on CPU tensors: under Triton's interpreter what a GPU runs; else the reference."""
+    return cast_cuda(x, scale, dtype, block) if interpreter_active() else reference.cast(x, scale, dtype, block)
+
+
 library.cast.register_kernel("cuda")(cast_cuda)
+library.cast.register_kernel("cpu")(cast_cpu)
 library.scaled_mm.register_kernel("cuda")(scaled_mm_cuda)
 library.fp8_gemm.register_kernel("cuda")(fp8_gemm_cuda)
 library.fp8_gemm.register_kernel("cpu")(fp8_gemm_cpu)

@@ -64,11 +64,21 @@ def amax_to_scale(amax: Tensor, fp8_max: float, margin: int, power_of_two: bool,
     return scaling.amax_to_scale(amax, fp8_max, margin, power_of_two, rounding)
 
 
+def laid_out_like(result: Tensor, x: Tensor) -> Tensor:
+    """`result` (of `x`'s shape) in the layout `torch.empty_like(x)` gives, which the fakes of the
+    elementwise ops promise: a copy only where torch's elementwise kernels chose another (they follow
+    a permuted input's dims even where it is not dense, e.g. a slice of a transposed tensor)."""
+    expected = torch.empty_like(x, dtype=result.dtype, device="meta")
+    if all(a == b for a, b, size in zip(result.stride(), expected.stride(), x.shape) if size > 1):
+        return result
+    return torch.empty_like(x, dtype=result.dtype).copy_(result)
+
+
 def cast(x: Tensor, scale: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:
-    """Saturating cast of `x * scale` (scale per block) to the FP8 `dtype`."""
+    """Saturating cast of `x * scale` (scale per block) to the FP8 `dtype`, laid out as `x`."""
     check_block(block, "cast")
     scale = scaling.expand_blocks(scale, tuple(block), x.shape)
-    return saturating_cast(x.to(torch.float32) * scale, fp8_format_of(dtype))
+    return laid_out_like(saturating_cast(x.to(torch.float32) * scale, fp8_format_of(dtype)), x)
 
 
 def _as_blocks(scale_inv: Tensor, block: list[int]) -> tuple[Tensor, tuple[int, ...]]:

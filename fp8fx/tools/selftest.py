@@ -53,9 +53,10 @@ RECIPES = ("tensorwise", "rowwise", "blockwise")
 # A GEMM passes when its output is within the output format's last place of the exact reference,
 # or (GPUs: Hopper's fast accumulation, a different summation order) its SQNR is at least this.
 GEMM_SQNR_DB = 40.0
-# A whole training step passes at this SQNR: FP8 casts of later layers amplify a last-place
-# difference (a value crossing an FP8 rounding boundary), as in tests/codegen/interpreter.
-STEP_SQNR_DB = 30.0
+# A whole training step passes when no tensor's SQNR against the fp32 step without FP8 falls more
+# than this short of the kernels="scaled_mm" step's (check_step; measured spread between two
+# correct FP8 implementations: at most 0.63 dB over 21 tensors).
+STEP_SQNR_MARGIN_DB = 1.0
 AMAX_RTOL = 1e-2  # an epilogue's amax against the reference's (consistent with 40 dB)
 ULP = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float8_e4m3fn: 2**-3, torch.float8_e5m2: 2**-2}
 
@@ -409,19 +410,21 @@ def scaled_mm_paths(use: VariantUse) -> tuple[str, ...]:
 # --- a training step -------------------------------------------------------------------------------
 
 
-def step_tensors(recipe: str, kernels: str, dims: ModelDims, device, dtype: torch.dtype = torch.bfloat16, inner: str = "eager", seed: int = 0) -> list[Tensor]:
+def step_tensors(recipe: str | None, kernels: str, dims: ModelDims, device, dtype: torch.dtype = torch.bfloat16, inner: str = "eager", seed: int = 0) -> list[Tensor]:
     """Output, input gradient and parameter gradients of one forward+backward of SelftestModel
-    compiled with fp8fx under `recipe` and `kernels`."""
+    compiled with fp8fx under `recipe` and `kernels`; `recipe` None: the model in fp32 without
+    FP8, eagerly (the reference both FP8 steps are measured against)."""
     import fp8fx
 
     torch.manual_seed(seed)
+    dtype = dtype if recipe else torch.float32
     model = SelftestModel(dims).to(device=device, dtype=dtype)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(dims.batch, dims.seq, dims.dim, generator=g).to(device=device, dtype=dtype).requires_grad_()
     dy = torch.randn(dims.batch, dims.seq, dims.dim, generator=g).to(device=device, dtype=dtype)
-    backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner=inner, kernels=kernels)
+    backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner=inner, kernels=kernels) if recipe else None
     try:
-        out = torch.compile(model, backend=backend)(x)
+        out = (torch.compile(model, backend=backend) if backend else model)(x)
         out.backward(dy)
     finally:
         torch._dynamo.reset()
@@ -429,17 +432,32 @@ def step_tensors(recipe: str, kernels: str, dims: ModelDims, device, dtype: torc
 
 
 def check_step(recipe: str, kernels: str, dims: ModelDims, device, where: str, inner: str = "eager", dtype: torch.dtype = torch.bfloat16) -> dict:
-    """A training step with `kernels` against the same step with kernels="scaled_mm": the minimum
-    SQNR over the output and every gradient must reach STEP_SQNR_DB."""
+    """A training step with `kernels` against the same step with kernels="scaled_mm", each measured
+    against the fp32 step without FP8: for the output and every gradient, the SQNR of `kernels`'
+    step may fall short of kernels="scaled_mm"'s by at most STEP_SQNR_MARGIN_DB.
+
+    Not the two FP8 steps against each other: two correct implementations that round one
+    intermediate differently (an epilogue in fp32 or after a BF16 output) move some values across
+    an FP8 rounding boundary at the next cast, and the steps then differ by about FP8's own
+    quantization noise (measured on the CPU emulation of GPU_STEP_DIMS in bf16, fused against
+    unfused epilogues: 27.9 dB rowwise, 22.9 dB tensorwise, while each was within 0.48 / 0.63 dB of
+    the other against fp32)."""
     base = dict(kind="step", where=where, recipe=recipe, kernels=kernels, baseline="scaled_mm", tokens=dims.batch * dims.seq, dim=dims.dim, dtype=_dtype_name(dtype))
     try:
+        exact = step_tensors(None, kernels, dims, device, dtype, inner)
         ref = step_tensors(recipe, "scaled_mm", dims, device, dtype, inner)
         got = step_tensors(recipe, kernels, dims, device, dtype, inner)
     except Exception as e:  # noqa: BLE001
         return dict(base, passed=False, error=_error(e))
-    dbs = [sqnr_db(a, b) if a is not None and b is not None else None for a, b in zip(got, ref, strict=True)]
-    worst = min(d for d in dbs if d is not None) if all(d is not None for d in dbs) else None  # a missing gradient fails
-    return dict(base, passed=worst is not None and worst >= STEP_SQNR_DB, min_sqnr_db=_round(worst), tensors=len(dbs))
+    if any(t is None for t in got + ref):  # a missing gradient fails
+        return dict(base, passed=False, error="a gradient is missing")
+    got_db = [sqnr_db(t.float(), e) for t, e in zip(got, exact, strict=True)]
+    ref_db = [sqnr_db(t.float(), e) for t, e in zip(ref, exact, strict=True)]
+    shortfall = max(r - g for g, r in zip(got_db, ref_db))
+    return dict(
+        base, passed=shortfall <= STEP_SQNR_MARGIN_DB, min_sqnr_db=_round(min(got_db)), baseline_min_sqnr_db=_round(min(ref_db)),
+        max_shortfall_db=_round(shortfall), tensors=len(got_db),
+    )  # fmt: skip
 
 
 # --- offline builds and the interpreter (the CPU branch) ------------------------------------------
@@ -767,7 +785,7 @@ def build_report(env: dict, status: GpuStatus, uses: list[VariantUse], checks: l
     data = dict(
         schema=SCHEMA, created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         passed=bool(checks) and all(c["passed"] for c in checks), environment=env, gpu=status.info, no_gpu_reason=status.reason or None,
-        thresholds=dict(gemm_sqnr_db=GEMM_SQNR_DB, step_sqnr_db=STEP_SQNR_DB, amax_rtol=AMAX_RTOL, ulp=_ulps()),
+        thresholds=dict(gemm_sqnr_db=GEMM_SQNR_DB, step_sqnr_margin_db=STEP_SQNR_MARGIN_DB, amax_rtol=AMAX_RTOL, ulp=_ulps()),
         variants=[use_to_dict(u) for u in uses], summary=check_groups(checks), checks=checks, speed=speed, dispatch_table=table, seconds=round(seconds, 1),
     )  # fmt: skip
     return _json_safe(data)

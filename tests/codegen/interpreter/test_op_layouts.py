@@ -1,0 +1,56 @@
+"""The fp8fx ops' GPU implementations (the generated kernels through their launchers, run by Triton's
+interpreter on CPU tensors as a GPU runs them) return exactly what each op's fake promises, for
+inputs laid out as graphs hand them over (tests/layouts.py). A cast kernel that returned a
+contiguous tensor for a transposed weight or a permuted attention output crashed every real model
+on a GPU (Inductor's assert_size_stride); this is where the CPU suite sees it."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from layouts import GEMM_CASES, LAYOUTS, cast_cases, check_layout, gemm_operands, laid_out
+
+from fp8fx.codegen import launch
+from fp8fx.core import grouped
+from fp8fx.ops import cuda, reference
+
+pytestmark = pytest.mark.skipif(not launch.interpreter_active(), reason="needs TRITON_INTERPRET=1 before import")
+ops = torch.ops.fp8fx
+
+
+@pytest.mark.parametrize("name,args", list(cast_cases())[::5], ids=lambda v: v if isinstance(v, str) else "")
+def test_cast_kernel(name, args):
+    """fp8fx::cast on CPU tensors runs the CUDA implementation here; bit for bit the reference's values."""
+    check_layout(ops.cast, cuda.cast_cuda, args, what=name)
+    check_layout(ops.cast, ops.cast, args, what=f"{name} (dispatched)")
+    assert torch.equal(ops.cast(*args).view(torch.uint8), reference.cast(*args).view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "blocks,mnk,layouts,epilogue",
+    [
+        (blocks, mnk, layouts, epilogue)
+        for (*blocks, mnk), layouts, epilogue in itertools.product(
+            GEMM_CASES, [("contiguous", "transposed"), ("transposed_slice", "sliced")], ["", "bias,act=gelu,aux=pre_activation,amax"]
+        )
+    ][::3],
+)
+def test_gemm_kernel(blocks, mnk, layouts, epilogue):
+    a, b, sa, sb = gemm_operands(blocks, mnk, *layouts)
+    bias = torch.randn(mnk[1]) if epilogue else None
+    args = (a, b, sa, sb, bias, None, None, None, torch.bfloat16, torch.bfloat16, *blocks, epilogue)
+    check_layout(ops.fp8_gemm, cuda.fp8_gemm_cuda, args, dict(gpu_kernel="triton", fast_accum=False), what=f"{blocks} {layouts} {epilogue}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_grouped_kernel(layout):
+    g = torch.Generator().manual_seed(0)
+    offs = torch.tensor([5, 5, 42, 64], dtype=torch.int32)
+    a = laid_out(torch.randn(64, 32, generator=g), layout).to(torch.float8_e5m2)
+    b = laid_out(torch.randn(4, 32, 48, generator=g), layout).to(torch.float8_e4m3fn)
+    blocks = ([1, 0], [0, 1])
+    sa, sb = (torch.ones(grouped.scale_shape(tuple(x.shape), 4, grouped.operand_scales("2d-3d", side, block))) for side, (x, block) in enumerate(zip((a, b), blocks)))
+    args = (a, b, sa, sb, offs, torch.bfloat16, *blocks)
+    check_layout(ops.fp8_grouped_mm, cuda.fp8_grouped_mm_cpu, args, what=layout)
