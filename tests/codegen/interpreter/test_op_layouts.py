@@ -54,3 +54,19 @@ def test_grouped_kernel(layout):
     sa, sb = (torch.ones(grouped.scale_shape(tuple(x.shape), 4, grouped.operand_scales("2d-3d", side, block))) for side, (x, block) in enumerate(zip((a, b), blocks)))
     args = (a, b, sa, sb, offs, torch.bfloat16, *blocks)
     check_layout(ops.fp8_grouped_mm, cuda.fp8_grouped_mm_cpu, args, what=layout)
+
+
+def test_inductor_training_step_runs_the_gpu_implementations():
+    """A training step compiled by Inductor, whose generated code checks every fp8fx op's output
+    against its fake (assert_size_stride): the casts and GEMMs run the code a GPU runs. The model
+    casts a permuted attention output and transposed weights (the first GPU run's crash)."""
+    import fp8fx
+    from fp8fx.tools.selftest import ModelDims, SelftestModel
+
+    torch.manual_seed(0)
+    model = SelftestModel(ModelDims(64, 4, 128, 1, 13))
+    x = torch.randn(1, 13, 64, requires_grad=True)
+    backend = fp8fx.backend(inner="inductor", kernels="triton")
+    torch.compile(model, backend=backend)(x).sum().backward()
+    assert x.grad is not None and all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert {op.gpu_kernel for op in fp8fx.report(backend).fp8_ops} == {"triton"}
