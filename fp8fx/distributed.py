@@ -197,6 +197,13 @@ def _quantize_blocks(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return reference.cast(rows, scale, GRAD_FORMAT.dtype, block).view(torch.uint8), scale
 
 
+def _all_gather_single(output: torch.Tensor, input: torch.Tensor, group) -> None:  # noqa: ANN001, A002
+    """`dist.all_gather_single` where torch has it (2.13, which deprecates the older name), else the
+    same collective as `dist.all_gather_into_tensor` (torch 2.11)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, input, group=group)
+
+
 def _dequantize_blocks(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     blocks = data.view(GRAD_FORMAT.dtype).float().view(data.shape[0], -1, GRAD_BLOCK)
     return (blocks / scale.unsqueeze(-1)).view(data.shape)
@@ -232,8 +239,8 @@ class Fp8GradientComm:
         data, scale = _quantize_blocks(mine.unsqueeze(0))
         all_data = data.new_empty(world, *data.shape[1:])
         all_scale = scale.new_empty(world, *scale.shape[1:])
-        dist.all_gather_single(all_data, data, group=group)
-        dist.all_gather_single(all_scale, scale, group=group)
+        _all_gather_single(all_data, data, group)
+        _all_gather_single(all_scale, scale, group)
         self.bytes_sent += data.numel() + scale.numel() * scale.element_size()
         reduced = _dequantize_blocks(all_data, all_scale)[:, : flat.numel() // world].reshape(-1)
         buffer.view(-1).copy_(reduced[: buffer.numel()])

@@ -471,13 +471,10 @@ def _why_failed(c: dict) -> str:
 
 def _selftest_lines(result) -> list[str]:
     """The summary of a self-test: one line per group of checks, each failure, timings, files."""
-    from fp8fx.codegen import versions
-
     data = result.data
     env = data["environment"]
     lines = [f"torch {env['torch']}, Triton {env['triton']}, CUDA {env['cuda']}, fp8fx {env['fp8fx']}"]
-    # What this Triton lacks (fp8fx.codegen.versions): the JSON's environment.limits, else this machine's
-    lines += env["limits"] if "limits" in env else versions.limits()
+    lines += env["limits"]  # what this Triton lacks (fp8fx.codegen.versions)
     lines.append(
         f"kernel variants in a training step ({', '.join(sorted({r for v in data['variants'] for r in v['recipes']}))}): {len(data['variants'])}"
     )

@@ -38,7 +38,11 @@ FP8_MMA = {
 # MX GEMMs on Blackwell (family mx): the block-scaled MMA, E8M0 scales per 32 elements of K.
 BLOCK_SCALED_MMA = re.compile(r"tcgen05\.mma\.\S*kind::mxf8f6f4\.block_scale\S*")
 # NVFP4 GEMMs on Blackwell: the FP4 block-scaled MMA, E4M3 scales per 16 elements of K.
-NVFP4_MMA = re.compile(r"tcgen05\.mma\.\S*kind::mxf4nvf4\.block_scale\.block16")
+NVFP4_MMA = re.compile(r"tcgen05\.mma\.\S*kind::mxf4nvf4\.block_scale\.(?:block16|scale_vec::4X)")
+# PTX's older names of the block-scaled MMAs' scale blocks (Triton < 3.9 prints them): the same
+# instructions, one scale per 32 (mxf8f6f4) or 16 (mxf4nvf4) elements of K. Results say the new ones.
+_SCALE_VEC_ALIASES = {"kind::mxf8f6f4.block_scale.scale_vec::1X": "kind::mxf8f6f4.block_scale.block32",
+                      "kind::mxf4nvf4.block_scale.scale_vec::4X": "kind::mxf4nvf4.block_scale.block16"}  # fmt: skip
 _PTR = {
     torch.float8_e4m3fn: "*fp8e4nv",
     torch.float8_e5m2: "*fp8e5",
@@ -216,12 +220,19 @@ _WARP_SPECIALIZED_TTGIR = re.compile(r"ttg\.warp_specialize\b")
 _TMA_LOAD = re.compile(r"cp\.async\.bulk\.tensor\.\dd\.")
 
 
+def _mma_name(instruction: str) -> str:
+    for old, new in _SCALE_VEC_ALIASES.items():
+        if instruction.endswith(old):
+            return instruction[: -len(old)] + new
+    return instruction
+
+
 def _result(name: str, arch: str, config: TileConfig, kernel, mma: re.Pattern | None, family: str) -> BuildResult:
     ptx = kernel.asm["ptx"]
     found = mma.search(ptx) if mma is not None else None
     registers, spills = _ptxas_report(ptx, arch)
     return BuildResult(
-        name, arch, config.describe(), found.group(0) if found else None, registers, spills, kernel.metadata.shared, SHARED_MEMORY_LIMIT[arch],
+        name, arch, config.describe(), _mma_name(found.group(0)) if found else None, registers, spills, kernel.metadata.shared, SHARED_MEMORY_LIMIT[arch],
         family=family, tma=bool(_TMA_LOAD.search(ptx)), warp_specialized=bool(_WARP_SPECIALIZED_TTGIR.search(kernel.asm["ttgir"])),
         warp_specialize_asked=bool(dict(config.extra).get("WARP_SPECIALIZE", False)),
     )  # fmt: skip

@@ -37,8 +37,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from fp8fx.codegen import versions
 from fp8fx.core import recipes
 from fp8fx.core.epilogue import ACTIVATIONS, AUX_STAGES, MUL_MODES
+
+versions.patch_interpreter()  # Triton < 3.7's interpreter: run-time loop bounds under NumPy >= 2.4
 
 _RELU = tl.constexpr(ACTIVATIONS["relu"].code)
 _GELU = tl.constexpr(ACTIVATIONS["gelu"].code)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from fp8fx.codegen import versions
 from fp8fx.core.epilogue import PLAIN, Epilogue
 from fp8fx.core.formats import fp8_format_of
 from fp8fx.core.recipes import MX_BLOCK, NVFP4_BLOCK
@@ -222,6 +223,22 @@ CONFIGS: dict[tuple[str, str], tuple[TileConfig, ...]] = {
     ),
     ("interpreter", "mx"): (TileConfig(32, 32, 64, 2, 1, 1, (("BLOCK_SCALED_MMA", True),)),),
 }
+
+
+def _without_warp_specialization(configs: tuple[TileConfig, ...]) -> tuple[TileConfig, ...]:
+    """`configs` with WARP_SPECIALIZE dropped from each (duplicates removed, order kept)."""
+    plain = [replace(c, extra=tuple(kv for kv in c.extra if kv[0] != "WARP_SPECIALIZE")) for c in configs]
+    return tuple(dict.fromkeys(plain))
+
+
+# Triton before 3.7 cannot warp-specialize the persistent TMA kernel for sm_100a (its pass fails
+# to build it): Blackwell then runs the same tiles with the tile loop left whole.
+if not versions.has("sm100_warp_specialize"):
+    CONFIGS["sm_100a", "tma"] = _without_warp_specialization(CONFIGS["sm_100a", "tma"])
+# Triton's interpreter runs no tl.dot_scaled before 3.8: MX GEMMs there take the interpreter's
+# default family (each 32-K block promoted in fp32, as on Hopper) instead of the block-scaled MMA.
+if not versions.has("interpreter_dot_scaled"):
+    del CONFIGS["interpreter", "mx"]
 # The NVFP4 GEMM (fp8fx.codegen.nvfp4_kernel): Blackwell only (FP4 tensor cores), and the
 # interpreter. BLOCK_K counts FP4 elements: 256 is 128 bytes of each operand row per step.
 NVFP4_CONFIGS: dict[str, tuple[TileConfig, ...]] = {
@@ -229,7 +246,7 @@ NVFP4_CONFIGS: dict[str, tuple[TileConfig, ...]] = {
     "interpreter": (TileConfig(32, 32, 64, 2, 1, 1),),
 }
 # Targets whose grouped GEMMs take MX blocks on the block-scaled MMA (GroupedVariant.block_scaled).
-GROUPED_BLOCK_SCALED_TARGETS = ("sm_100a", "interpreter")
+GROUPED_BLOCK_SCALED_TARGETS = ("sm_100a", "interpreter") if versions.has("interpreter_dot_scaled") else ("sm_100a",)
 # The grouped GEMM (fp8fx.codegen.grouped_kernel): pointer loads, persistent over the groups'
 # tiles. Mixture-of-experts groups are often a few hundred tokens, so smaller tiles follow the
 # largest; 128 x 128 x 128 on 8 warps is the dense pointer kernel's first config.
@@ -285,6 +302,8 @@ class GroupedVariant:
         at most 64 x 64 accumulator values per 4 warps (larger tiles spilled 16-1472 bytes on
         sm_90a / sm_100a)."""
         configs = GROUPED_CONFIGS[target]
+        if target == "sm_90a" and self.k_grouped and not versions.has("sm90_grouped_wgrad_128x128"):
+            configs = tuple(c for c in configs if c.block_m * c.block_n < 128 * 128)  # Triton < 3.7 spills them
         if not self.k_block:
             return configs
         if self.block_scaled:

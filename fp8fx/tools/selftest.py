@@ -732,16 +732,18 @@ def gpu_status() -> GpuStatus:
 
 
 def environment() -> dict:
-    """Versions: fp8fx, torch, Triton, CUDA (torch's build), Python, the platform."""
+    """Versions: fp8fx, torch, Triton, CUDA (torch's build), Python, the platform; and what this
+    Triton lacks of what fp8fx uses (`fp8fx.codegen.versions.limits`)."""
     import importlib.metadata
 
     import fp8fx
+    from fp8fx.codegen import versions
 
     try:
         triton_version = importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
         triton_version = None
-    return dict(fp8fx=fp8fx.__version__, torch=torch.__version__, triton=triton_version, cuda=torch.version.cuda, python=platform.python_version(), platform=platform.platform())
+    return dict(fp8fx=fp8fx.__version__, torch=torch.__version__, triton=triton_version, cuda=torch.version.cuda, python=platform.python_version(), platform=platform.platform(), limits=versions.limits())
 
 
 def default_output(status: GpuStatus) -> Path:

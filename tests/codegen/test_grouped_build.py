@@ -66,8 +66,9 @@ def test_mx_grouped_gemm_builds_with_block_scaled_mma_on_blackwell(k_grouped):
 def test_every_grouped_config_builds():
     for arch in ("sm_90a", "sm_100a"):
         for k_grouped in (False, True):
-            for config in GROUPED_CONFIGS[arch]:
-                check(GroupedVariant(E4M3, E4M3, k_grouped, torch.float32), arch, config)
+            variant = GroupedVariant(E4M3, E4M3, k_grouped, torch.float32)
+            for config in variant.configs(arch):  # GROUPED_CONFIGS, less what this Triton spills (versions)
+                check(variant, arch, config)
 
 
 def test_grouped_autotuner_builds_for_every_target():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from fp8fx.codegen import versions
 from fp8fx.codegen.dispatch import choose_kernel, gemm_family
 from fp8fx.codegen.targets import build_all
 from fp8fx.codegen.variants import GemmVariant, configs_for
@@ -36,10 +37,12 @@ def test_mx_gemms_build_with_block_scaled_mma_on_blackwell():
 
 
 def test_mx_gemms_take_block_scaled_mma_only_where_it_exists():
-    """Blackwell (and the interpreter) run MX blocks in the mx family; Hopper and Ada have no
-    block-scaled MMA and promote each 32-K block in their default kernels; other blocks never go mx."""
+    """Blackwell (and the interpreter, from Triton 3.8 on) run MX blocks in the mx family; Hopper
+    and Ada have no block-scaled MMA and promote each 32-K block in their default kernels; other
+    blocks never go mx."""
     mx = MX_VARIANTS[0]
-    assert [gemm_family(t, mx) for t in ("sm_100a", "interpreter", "sm_90a", "sm_89")] == ["mx", "mx", "tma", "pointer"]
+    interpreter = "mx" if versions.has("interpreter_dot_scaled") else "tma"
+    assert [gemm_family(t, mx) for t in ("sm_100a", "interpreter", "sm_90a", "sm_89")] == ["mx", interpreter, "tma", "pointer"]
     blockwise = GemmVariant(E4M3, E4M3, (1, 128), (128, 128))
     assert gemm_family("sm_100a", blockwise) == "tma" and not blockwise.mx
     assert [c.block_k for c in configs_for("sm_100a", mx, "mx")] == [128, 128]

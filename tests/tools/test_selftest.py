@@ -17,7 +17,7 @@ import torch
 from typer.testing import CliRunner
 
 from fp8fx.cli import app
-from fp8fx.codegen import dispatch
+from fp8fx.codegen import dispatch, versions
 from fp8fx.tools import selftest
 
 
@@ -111,6 +111,8 @@ def test_gemm_shapes_are_the_benchmarks():
 def test_gemm_checks_run_the_scaled_mm_path_on_cpu(uses, recipe):
     """torch._scaled_mm has CPU kernels for tensorwise and rowwise scales: the GPU branch's check
     runs whole here, padding of odd shapes included."""
+    if recipe == "rowwise" and not versions.cpu_rowwise_scaled_mm():
+        pytest.skip("this torch's CPU torch._scaled_mm takes no rowwise scales (torch 2.13's does)")
     for use in by_recipe(uses, recipe):
         for m, n, k in ((7, 64, 256), (37, 48, 144)):
             (check,) = selftest.check_gemm(use, m, n, k, ("scaled_mm",), "cpu", where="test")

@@ -14,11 +14,14 @@ import torch
 from helpers import sqnr
 from test_kernels import close_as, wide_range
 
-from fp8fx.codegen import launch
+from fp8fx.codegen import launch, versions
 from fp8fx.core import fp4
 from fp8fx.ops import library, nvfp4, reference
 
-pytestmark = pytest.mark.skipif(not launch.interpreter_active(), reason="needs TRITON_INTERPRET=1 before import")
+pytestmark = [
+    pytest.mark.skipif(not launch.interpreter_active(), reason="needs TRITON_INTERPRET=1 before import"),
+    pytest.mark.skipif(not versions.has("interpreter_e4m3_scales"), reason=versions.reason("interpreter_e4m3_scales")),
+]
 
 LEFT_BLOCKS, RIGHT_BLOCKS = ((1, 16), (16, 16)), ((16, 1), (16, 16))
 

@@ -1,0 +1,408 @@
+"""Training steps of a `transformers` Llama on a GPU: fp8fx per recipe and kernel choice, beside BF16
+torch.compile and torchao float8 (tensorwise, rowwise).
+
+Run: python bench/llama_gpu.py [--layers 2 --seq 4096 --batch 2] [--recipes tensorwise,rowwise]
+     [--kernels auto,triton,scaled_mm] [--inner inductor|eager] [--variants bf16,fp8fx-rowwise-auto]
+     [--steps 10 --warmup 3] [--json out.json]
+     python bench/llama_gpu.py --device cpu --tiny --steps 2 --warmup 1 --inner eager   # smoke test
+
+The model is LlamaForCausalLM built from a LlamaConfig (no download), by default with Llama-3-8B's
+layer shapes (hidden 4096, MLP 14336, 32 heads, 8 KV heads, head dim 128), 2 layers, vocab 32768,
+BF16 weights, SDPA attention, batch 2 x seq 4096. Each step is forward with labels (the model's
+cross-entropy), backward and an AdamW (or SGD) step; every variant gets the same init and the
+same random token batches. Each variant runs in its own process (`--child`), with a fresh Inductor
+and Triton cache directory, so compiles are cold and a crash, an OOM or a timeout only fails its
+own row. Per variant: per-step and final loss, the first step (compile included, wall clock), the
+median of the timed steps after the warm-up steps (CUDA events), the peak memory of the timed steps
+(torch.cuda.max_memory_allocated, reset after warm-up), fp8fx's report summary (GEMMs in FP8, fused
+epilogues, memory passes added / saved, kernels), and the speedup and memory ratio to BF16 from the
+same run. BF16 and torchao use `torch.compile` with the same inner compiler as fp8fx ("inductor",
+or "aot_eager" for --inner eager). Recipes this GPU cannot run are rows marked skipped. Under
+torch.compile before torch 2.14, transformers hands SDPA an explicit causal mask (so no flash
+attention), in every variant alike.
+
+Variant names: bf16 (the baseline in --dtype, without FP8), torchao-tensorwise, torchao-rowwise,
+fp8fx-<recipe>-<kernels>.
+Output: a Markdown table on stdout, progress on stderr, JSON to --json (default $OUT/llama_gpu.json
+when OUT is set). Exit code 0 when every variant not skipped ran, 1 otherwise, 2 without a CUDA GPU.
+On CPU (--device cpu) FP8 is emulated (torchao with emulate=True), steps are timed with
+time.perf_counter, peak memory is not measured and the kernel choice does not apply (default auto).
+Needs the bench extra (transformers, torchao).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+import fp8fx
+from fp8fx.codegen.variants import arch_of
+from fp8fx.core.recipes import RECIPES
+
+# torch.compile backend of the BF16 and torchao runs, by fp8fx inner compiler.
+PLAIN_BACKEND = {"inductor": "inductor", "eager": "aot_eager"}
+TORCHAO_RECIPES = ("tensorwise", "rowwise")
+# Recipes that need a GPU target beyond FP8 tensor cores (fp8fx.codegen.variants.arch_of's names).
+# MX GEMMs run on Hopper and Ada too (each 32-K block promoted to fp32, docs/kernels.md).
+RECIPE_NEEDS = {"nvfp4": ("sm_100a", "needs sm_100 (Blackwell's FP4 tensor cores)")}
+SHAPES = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "seq", "batch")
+LLAMA3_8B = dict(layers=2, hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=32768, seq=4096, batch=2)
+TINY = dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=128, seq=32, batch=2)
+
+
+# --- variants and what this machine can run -----------------------------------------------------
+
+
+def parse_variant(name: str) -> tuple[str, str | None, str | None]:
+    """(kind, recipe, kernels) of a variant name: bf16 | torchao-<recipe> | fp8fx-<recipe>-<kernels>."""
+    parts = name.split("-")
+    if parts == ["bf16"]:
+        return "bf16", None, None
+    if len(parts) == 2 and parts[0] == "torchao" and parts[1] in TORCHAO_RECIPES:
+        return "torchao", parts[1], None
+    if len(parts) == 3 and parts[0] == "fp8fx" and parts[1] in RECIPES and parts[2] in ("auto", "triton", "scaled_mm"):
+        return "fp8fx", parts[1], parts[2]
+    raise ValueError(
+        f"unknown variant {name!r}: bf16, torchao-{{{','.join(TORCHAO_RECIPES)}}} or "
+        f"fp8fx-<recipe>-<auto|triton|scaled_mm> with a recipe of {', '.join(RECIPES)}"
+    )
+
+
+def default_variants(args) -> list[str]:
+    torchao = [f"torchao-{r}" for r in TORCHAO_RECIPES]
+    return ["bf16", *torchao, *(f"fp8fx-{r}-{k}" for r in args.recipes for k in args.kernels)]
+
+
+def skip_reason(name: str, env: dict) -> str:
+    """Why this machine cannot run the variant ("" when it can)."""
+    kind, recipe, _ = parse_variant(name)
+    if kind == "torchao" and env["torchao"] is None:
+        return "skipped: torchao not installed"
+    if kind == "bf16" or env["target"] is None:  # CPU: everything is emulated
+        return ""
+    if env["target"] == "none":
+        return f"skipped: needs sm_89+ (FP8 tensor cores); this GPU is sm_{env['capability'].replace('.', '')}"
+    need = RECIPE_NEEDS.get(recipe) if kind == "fp8fx" else None
+    if need and env["target"] != need[0]:
+        return f"skipped: {need[1]}"
+    return ""
+
+
+def version(package: str) -> str | None:
+    """An installed distribution's version, without importing it (torchao's import prints warnings)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment(device: str) -> dict:
+    env = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), python=platform.python_version(),
+        torch=torch.__version__, triton=version("triton") or version("pytorch-triton"), transformers=version("transformers"),
+        torchao=version("torchao") if importlib.util.find_spec("torchao") else None, fp8fx=fp8fx.__version__,
+        cuda=torch.version.cuda, device=device, gpu=None, capability=None, target=None,
+    )  # fmt: skip
+    if device == "cuda":
+        cap = torch.cuda.get_device_capability()
+        env.update(gpu=torch.cuda.get_device_name(), capability=f"{cap[0]}.{cap[1]}")
+        try:
+            env["target"] = arch_of(cap, hip=torch.version.hip is not None)
+        except RuntimeError:  # no FP8 tensor cores (or ROCm)
+            env["target"] = "none"
+    return env
+
+
+# --- the child: one variant's training run ---------------------------------------------------------
+
+
+def build_model(args, device: torch.device) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+        vocab_size=args.vocab, max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa", use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(args.seed)  # the same init in every variant's process
+    with device:  # built on the device: an 8B-shaped layer is slow to initialise on the CPU
+        model = LlamaForCausalLM(cfg)
+    return model.to(getattr(torch, args.dtype)).train()
+
+
+def token_batches(args, device: torch.device) -> list[torch.Tensor]:
+    """warmup + steps random batches, drawn from their own generator: identical in every variant."""
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    shape = (args.batch, args.seq)
+    return [torch.randint(0, args.vocab, shape, generator=gen).to(device) for _ in range(args.warmup + args.steps)]
+
+
+def compile_variant(model: torch.nn.Module, name: str, args):
+    """The compiled model of a variant; torchao converts the model's Linears in place first."""
+    kind, recipe, kernels = parse_variant(name)
+    if kind == "fp8fx":
+        backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner=args.inner, kernels=kernels)
+        return torch.compile(fp8fx.prepare(model), backend=backend)  # prepare: delayed recipes keep state there
+    if kind == "torchao":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        if args.device == "cpu":  # torchao's FP8 GEMMs need CUDA; emulate runs them in high precision
+            config = dataclasses.replace(config, emulate=True)
+        convert_to_float8_training(model, config=config)
+    return torch.compile(model, backend=PLAIN_BACKEND[args.inner])
+
+
+def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=args.lr)
+    return torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+
+def train_step(compiled, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
+    loss = compiled(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()  # read after the run: an .item() per step would stall the timed stream
+
+
+def timed_steps(step, batches: list[torch.Tensor], cuda: bool) -> tuple[list[torch.Tensor], list[float]]:
+    """Run `step` over the batches; its losses and the milliseconds of each step."""
+    losses = []
+    if cuda:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in batches]
+        for (start, end), tokens in zip(events, batches):
+            start.record()
+            losses.append(step(tokens))
+            end.record()
+        torch.cuda.synchronize()
+        return losses, [start.elapsed_time(end) for start, end in events]
+    times = []
+    for tokens in batches:
+        t0 = time.perf_counter()
+        losses.append(step(tokens))
+        times.append(1000 * (time.perf_counter() - t0))
+    return losses, times
+
+
+def run_variant(name: str, args) -> dict:
+    """Train one variant: losses, first-step and median step time, peak memory, fp8fx's report."""
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    model = build_model(args, device)
+    batches = token_batches(args, device)
+    compiled = compile_variant(model, name, args)
+    opt = make_optimizer(model, args)  # after torchao's conversion, over the parameters it trains
+
+    def step(tokens):
+        return train_step(compiled, opt, tokens)
+
+    sync()
+    t0 = time.perf_counter()
+    losses = [step(batches[0])]  # compiles forward and backward
+    sync()
+    first_s = time.perf_counter() - t0
+    losses += [step(tokens) for tokens in batches[1 : args.warmup]]
+    sync()
+    if cuda:  # the timed steps' peak: optimizer state is allocated, autotuning is done
+        torch.cuda.reset_peak_memory_stats()
+    timed_losses, times = timed_steps(step, batches[args.warmup :], cuda)
+    losses = [float(x) for x in torch.stack(losses + timed_losses).float().cpu()]
+    out = dict(
+        losses=losses, final_loss=losses[-1], first_step_s=first_s, step_ms=statistics.median(times), step_ms_all=times,
+        peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+    )  # fmt: skip
+    if parse_variant(name)[0] == "fp8fx":
+        report = fp8fx.report(compiled)
+        out.update(fp8fx_report=report.summary(), fp8fx_report_lines=report.summary_lines())
+    return out
+
+
+def child(args) -> None:
+    """Run one variant and write its result (or its error) as JSON to --result."""
+    try:
+        result = dict(status="ok", **run_variant(args.child, args))
+    except Exception as e:  # noqa: BLE001 - the parent turns it into an error row
+        tb = traceback.format_exc().rstrip().splitlines()
+        result = dict(status="error", error=dict(type=type(e).__name__, message=str(e)[:2000], traceback=tb[-15:]))
+    with open(args.result, "w") as f:
+        json.dump(result, f, default=str)
+
+
+# --- the parent: a process per variant, then the table -----------------------------------------------
+
+
+def child_command(name: str, args, result: str) -> list[str]:
+    """The child's command line: the resolved shapes and training options, never --tiny or --json."""
+    opts = [*SHAPES, "steps", "warmup", "inner", "device", "dtype", "optimizer", "lr", "seed"]
+    flags = [x for key in opts for x in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]
+    return [sys.executable, os.path.abspath(__file__), *flags, "--child", name, "--result", result]
+
+
+def launch(name: str, args) -> dict:
+    """Run one variant's process and read its result. A crash or timeout becomes an error, with the
+    last lines of the child's output in place of a traceback."""
+    with tempfile.TemporaryDirectory(prefix="llama_gpu_") as tmp:
+        result = os.path.join(tmp, "result.json")
+        # A fresh cache per variant: every first step is a cold compile, and no variant reuses another's kernels.
+        caches = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor"), "TRITON_CACHE_DIR": os.path.join(tmp, "triton")}
+        proc = subprocess.Popen(child_command(name, args, result), env={**os.environ, **caches}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+        try:
+            output = proc.communicate(timeout=args.timeout)[0]
+            failure = "ChildCrashed", f"exit code {proc.returncode}, no result"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the child and its compile workers
+            output = proc.communicate()[0]
+            failure = "Timeout", f"killed after {args.timeout:g} s"
+        if os.path.exists(result):  # (also when it hung after writing it)
+            with open(result) as f:
+                return json.load(f)
+    tail = output.rstrip().splitlines()[-15:]
+    return dict(status="error", error=dict(type=failure[0], message=failure[1], traceback=tail))
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Speedup (BF16 step / variant step) and peak memory ratio (variant / BF16), from this run's BF16."""
+    base = next((r for r in rows if r["name"] == "bf16" and r["status"] == "ok"), None)
+    for r in rows:
+        ok = base is not None and r["status"] == "ok"
+        r["speedup_vs_bf16"] = base["step_ms"] / r["step_ms"] if ok else None
+        mem = ok and base["peak_memory_bytes"] and r["peak_memory_bytes"]
+        r["memory_vs_bf16"] = r["peak_memory_bytes"] / base["peak_memory_bytes"] if mem else None
+
+
+def fmt(x, spec: str, scale: float = 1.0) -> str:
+    return "-" if x is None else format(x * scale, spec)
+
+
+def status_text(r: dict) -> str:
+    if r["status"] == "error":
+        e = r["error"]
+        msg = " ".join(e["message"].split())
+        return f"error: {e['type']}: {msg[:160]}{'...' if len(msg) > 160 else ''}"
+    return r.get("reason") or r["status"]
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("variant", "status", "final loss", "step ms", "speedup", "first step s", "peak GiB", "mem / bf16",
+            "FP8 GEMMs", "fused", "passes +/-")  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
+    for r in rows:
+        s = r.get("fp8fx_report") or {}
+        cells = [
+            r["name"], status_text(r).replace("|", "\\|"), fmt(r.get("final_loss"), ".4f"), fmt(r.get("step_ms"), ".1f"),
+            fmt(r.get("speedup_vs_bf16"), ".2f") + ("x" if r.get("speedup_vs_bf16") else ""), fmt(r.get("first_step_s"), ".1f"),
+            fmt(r.get("peak_memory_bytes"), ".2f", 2**-30), fmt(r.get("memory_vs_bf16"), ".2f"),
+            f"{s['fp8_gemms']}/{s['gemms']}" if s else "-", str(s["fused_epilogues"]) if s else "-",
+            f"+{s['memory_passes_added']}/-{s['memory_passes_saved']}" if s else "-",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parent(args) -> int:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("llama_gpu.py: no CUDA GPU found (torch.cuda.is_available() is False); use --device cpu --tiny", file=sys.stderr)
+        return 2
+    env = environment(args.device)
+    rows = []
+    for name in args.variants or default_variants(args):
+        kind, recipe, kernels = parse_variant(name)
+        row = dict(name=name, kind=kind, recipe=recipe, kernels=kernels, inner=args.inner)
+        reason = skip_reason(name, env)
+        if reason:
+            rows.append(dict(row, status="skipped", reason=reason))
+            continue
+        print(f"{name} ...", end=" ", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        rows.append(dict(row, **launch(name, args), wall_s=time.perf_counter() - t0))
+        print(f"{rows[-1]['status']} ({rows[-1]['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+    add_ratios(rows)
+    where = f"{env['gpu']} (sm_{env['capability'].replace('.', '')})" if env["gpu"] else "CPU"
+    print(f"Llama {args.layers} layers, hidden {args.hidden}, MLP {args.intermediate}, {args.heads} heads / {args.kv_heads} KV "
+          f"x {args.head_dim}, vocab {args.vocab}, batch {args.batch} x seq {args.seq}, {args.dtype}, {args.optimizer}; "
+          f"{args.warmup} warm-up + {args.steps} timed steps, inner={args.inner}; {where}, torch {env['torch']}\n")  # fmt: skip
+    print(markdown(rows))
+    if args.json:
+        config = {k: v for k, v in vars(args).items() if k not in ("child", "result", "json")}
+        with open(args.json, "w") as f:
+            json.dump(dict(env=env, config=config, variants=rows), f, indent=2, default=str)
+        print(f"\nwrote {args.json}", file=sys.stderr)
+    return 0 if all(r["status"] != "error" for r in rows) else 1
+
+
+# --- options --------------------------------------------------------------------------------------
+
+
+def csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for key in SHAPES:
+        ap.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"default {LLAMA3_8B[key]} ({TINY[key]} with --tiny)")
+    ap.add_argument("--tiny", action="store_true", help="a tiny Llama (hidden 64, seq 32, vocab 128) for a CPU smoke test")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps, after the warm-up steps")
+    ap.add_argument("--warmup", type=int, default=3, help="warm-up steps, the first (compile) included; at least 1")
+    ap.add_argument("--recipes", type=csv, default=list(RECIPES),
+                    help="fp8fx recipes (default: all; a recipe the GPU cannot run is a skipped row)")
+    ap.add_argument("--kernels", type=csv, help="fp8fx kernels choices (default auto,triton,scaled_mm on CUDA, auto on CPU)")
+    ap.add_argument("--inner", default="inductor", choices=list(PLAIN_BACKEND))
+    ap.add_argument("--variants", type=csv, help="run only these variants (comma-separated names)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="weights' dtype (default bfloat16, float32 on CPU)")
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=1200, help="seconds per variant process")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default $OUT/llama_gpu.json when OUT is set)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    defaults = TINY if args.tiny else LLAMA3_8B
+    for key in SHAPES:
+        if getattr(args, key) is None:
+            setattr(args, key, defaults[key])
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    args.kernels = args.kernels or (["auto", "triton", "scaled_mm"] if args.device == "cuda" else ["auto"])
+    if args.json is None and os.environ.get("OUT") and not args.child:
+        args.json = os.path.join(os.environ["OUT"], "llama_gpu.json")
+    if args.warmup < 1 or args.steps < 1:
+        ap.error("--warmup and --steps must be at least 1 (the first warm-up step compiles)")
+    try:
+        for name in [*(args.variants or []), *([args.child] if args.child else []), *default_variants(args)]:
+            parse_variant(name)
+    except ValueError as e:
+        ap.error(str(e))
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child:
+        child(args)
+        return
+    sys.exit(parent(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""bench/llama_gpu.py's CPU smoke test: a tiny Llama, BF16 beside one fp8fx recipe, each variant in
+its own process (inner="eager": no Inductor compile), read back from the JSON it writes."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_llama_bench_tiny_on_cpu(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "llama.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "llama_gpu.py"), "--device", "cpu", "--tiny", "--steps", "2", "--warmup", "1",
+           "--inner", "eager", "--variants", "bf16,fp8fx-tensorwise-auto", "--json", str(out)]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    rows = {r["name"]: r for r in json.loads(out.read_text())["variants"]}
+    assert set(rows) == {"bf16", "fp8fx-tensorwise-auto"}
+    for r in rows.values():
+        assert r["status"] == "ok", r
+        assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"]), r["losses"]
+        assert r["step_ms"] > 0 and r["first_step_s"] > 0 and r["peak_memory_bytes"] is None
+    summary = rows["fp8fx-tensorwise-auto"]["fp8fx_report"]
+    assert summary["fp8_gemms"] >= 1, summary
+    assert rows["bf16"]["speedup_vs_bf16"] == 1.0
+    assert "| fp8fx-tensorwise-auto | ok |" in run.stdout
