@@ -19,10 +19,26 @@ from fp8fx.passes.annotation import annotation
 ROOT = Path(__file__).parents[2]
 
 
-def test_kernels_match_reference_under_the_interpreter():
+# The interpreter's test files in groups of about a minute each, one process per group, so a
+# parallel run (pytest -n) spreads them over its workers. Every file of the folder is in one group.
+INTERPRETER_GROUPS = {
+    "gemm": ["test_kernels.py", "test_shapes.py", "test_activations.py"],
+    "families": ["test_tma.py", "test_mx.py", "test_nvfp4.py", "test_grouped.py", "test_grouped_op.py"],
+    "layouts": ["test_op_layouts.py"],
+}
+
+
+def test_interpreter_groups_cover_the_folder():
+    files = sorted(p.name for p in (ROOT / "tests" / "codegen" / "interpreter").glob("test_*.py"))
+    assert sorted(f for group in INTERPRETER_GROUPS.values() for f in group) == files
+
+
+@pytest.mark.parametrize("group", list(INTERPRETER_GROUPS))
+def test_kernels_match_reference_under_the_interpreter(group):
     """tests/codegen/interpreter, in a process started with TRITON_INTERPRET=1 (it must precede the import)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:logging", "-p", "no:cacheprovider", str(ROOT / "tests" / "codegen" / "interpreter")]
+    files = [str(ROOT / "tests" / "codegen" / "interpreter" / f) for f in INTERPRETER_GROUPS[group]]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:logging", "-p", "no:cacheprovider", "-p", "no:xdist", *files]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     # Skips only where this Triton lacks an interpreter feature (fp8fx.codegen.versions: NVFP4's
