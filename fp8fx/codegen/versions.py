@@ -70,7 +70,7 @@ def has(feature: str) -> bool:
     """Whether the installed Triton has `feature` (a key of FEATURES). Without Triton: True, since
     nothing of it runs (the offline builds and the interpreter need Triton anyway)."""
     version = triton_version()
-    return version is None or not version or version[:2] >= FEATURES[feature].since
+    return not version or version[:2] >= FEATURES[feature].since
 
 
 def missing() -> list[str]:

@@ -451,8 +451,10 @@ def check_step(recipe: str, kernels: str, dims: ModelDims, device, where: str, i
         return dict(base, passed=False, error=_error(e))
     if any(t is None for t in got + ref):  # a missing gradient fails
         return dict(base, passed=False, error="a gradient is missing")
-    got_db = [sqnr_db(t.float(), e) for t, e in zip(got, exact, strict=True)]
-    ref_db = [sqnr_db(t.float(), e) for t, e in zip(ref, exact, strict=True)]
+    got_db = [sqnr_db(t, e) for t, e in zip(got, exact, strict=True)]
+    ref_db = [sqnr_db(t, e) for t, e in zip(ref, exact, strict=True)]
+    if None in got_db + ref_db:  # sqnr_db: a tensor that is not finite
+        return dict(base, passed=False, error="a non-finite output or gradient")
     shortfall = max(r - g for g, r in zip(got_db, ref_db))
     return dict(
         base, passed=shortfall <= STEP_SQNR_MARGIN_DB, min_sqnr_db=_round(min(got_db)), baseline_min_sqnr_db=_round(min(ref_db)),
@@ -734,16 +736,10 @@ def gpu_status() -> GpuStatus:
 def environment() -> dict:
     """Versions: fp8fx, torch, Triton, CUDA (torch's build), Python, the platform; and what this
     Triton lacks of what fp8fx uses (`fp8fx.codegen.versions.limits`)."""
-    import importlib.metadata
-
     import fp8fx
     from fp8fx.codegen import versions
 
-    try:
-        triton_version = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        triton_version = None
-    return dict(fp8fx=fp8fx.__version__, torch=torch.__version__, triton=triton_version, cuda=torch.version.cuda, python=platform.python_version(), platform=platform.platform(), limits=versions.limits())
+    return dict(fp8fx=fp8fx.__version__, torch=torch.__version__, triton=versions.triton_version_string(), cuda=torch.version.cuda, python=platform.python_version(), platform=platform.platform(), limits=versions.limits())
 
 
 def default_output(status: GpuStatus) -> Path:

@@ -282,3 +282,14 @@ def test_gpu_branch_runs_on_cpu_tensors(uses):
     assert step["passed"] and step["max_shortfall_db"] == 0  # scaled_mm against itself: identical
     assert [r["role"] for r in speed["gemms"]] == ["plain", "fused"] and speed["block"]["bf16_ms"] == 1.5
     assert set(seen) == {"GEMMs against the CPU reference", "training steps against kernels=scaled_mm", "timing GEMMs", "timing a transformer block"}
+
+
+def test_a_non_finite_step_is_a_failed_check(monkeypatch):
+    """A NaN in the checked step fails the check (it has no SQNR), rather than raising."""
+    def fake_step(recipe, kernels, *args, **kwargs):
+        t = torch.ones(4)
+        return [t * float("nan")] if recipe and kernels == "triton" else [t]
+
+    monkeypatch.setattr(selftest, "step_tensors", fake_step)
+    check = selftest.check_step("tensorwise", "triton", selftest.INTERPRETER_STEP_DIMS, "cpu", where="test")
+    assert check["passed"] is False and "non-finite" in check["error"]
