@@ -2,14 +2,15 @@
 backend with the same inner compiler, each run in a fresh process.
 
 Run: python bench/compile_time.py [--only llama,gpt2,vit] [--inner eager|inductor|both]
-         [--recipes default,tensorwise,delayed,...] [--profile] [--repeats N]
+         [--recipes default,tensorwise,delayed,...] [--profile] [--repeats N] [--torchao]
 Each (architecture, backend) pair runs one training step in its own process with Inductor's and
 AOTAutograd's caches off and an empty Inductor / Triton cache directory (no C++ or Triton build reused), after a one-Linear warm-up compile with the plain backend (toolchain
 probe, imports), so import and warm-up costs fall alike on both sides. The models are those of
 `bench/architectures.py` (hidden 64, 2 layers, random weights). Prints seconds per first step
 and fp8fx's ratio to the plain backend (the project's target: at most 1.15x with Inductor), one row
 per named recipe in --recipes ("default": fp8fx's default policy); with --repeats N, the medians
-of N interleaved runs of each. --profile adds where fp8fx's first step goes (and plain's): Dynamo's tracing, fp8fx's passes, and
+of N interleaved runs of each. --torchao adds torchao's float8 training (emulate mode, tensorwise) with the
+same inner compiler, and fp8fx's ratio to it (the GPU target: a first step at most torchao's). --profile adds where fp8fx's first step goes (and plain's): Dynamo's tracing, fp8fx's passes, and
 Inductor's forward / backward compiles and C++ builds (from `torch._dynamo.utils.compile_times`).
 """
 
@@ -85,6 +86,10 @@ def child(name: str, backend_name: str, inner: str, recipe: str) -> dict:
         backend = fp8fx.backend(policy=policy, inner=inner)
     else:
         backend = PLAIN[inner]
+    if backend_name == "torchao":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig(emulate=True))
     compiled = torch.compile(model, backend=backend)
     torch._dynamo.utils.reset_frame_count()
     start = time.perf_counter()
@@ -126,6 +131,7 @@ def main() -> None:
     parser.add_argument("--recipes", default="default", help="comma-separated named recipes, or default (fp8fx's default policy)")
     parser.add_argument("--profile", action="store_true", help="print where each fp8fx first step's time goes")
     parser.add_argument("--repeats", type=int, default=1, help="first steps per (backend, recipe); prints the medians")
+    parser.add_argument("--torchao", action="store_true", help="time torchao's float8 emulate mode too")
     parser.add_argument("--child", nargs=4, metavar=("NAME", "BACKEND", "INNER", "RECIPE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -134,21 +140,25 @@ def main() -> None:
 
     inners = ["eager", "inductor"] if args.inner == "both" else [args.inner]
     recipes = args.recipes.split(",")
-    print(f"{'architecture':<13} {'inner':<9} {'recipe':<14} {'plain s':>8} {'fp8fx s':>8} {'ratio':>6}")
+    torchao_col = f" {'torchao s':>9} {'/torchao':>8}" if args.torchao else ""
+    print(f"{'architecture':<13} {'inner':<9} {'recipe':<14} {'plain s':>8} {'fp8fx s':>8} {'ratio':>6}{torchao_col}")
     for name in args.only.split(","):
         for inner in inners:
             # Repeats interleave the runs, so a slow spell of the machine falls on both sides.
-            runs = {recipe: [] for recipe in ["plain", *recipes]}
+            runs = {recipe: [] for recipe in ["plain", *(["torchao"] if args.torchao else []), *recipes]}
             for _ in range(args.repeats):
                 for recipe, results in runs.items():
-                    results.append(first_step(name, "plain" if recipe == "plain" else "fp8fx", inner, recipe))
+                    backend_name = recipe if recipe in ("plain", "torchao") else "fp8fx"
+                    results.append(first_step(name, backend_name, inner, "default" if backend_name != "fp8fx" else recipe))
             plain_runs = runs.pop("plain")
             plain = statistics.median(r["seconds"] for r in plain_runs)
+            torchao = statistics.median(r["seconds"] for r in runs.pop("torchao")) if args.torchao else None
             if args.profile:
                 print(f"{name:<13} {inner:<9} plain: {_phases(plain_runs)}", flush=True)
             for recipe, results in runs.items():
                 seconds = statistics.median(r["seconds"] for r in results)
-                print(f"{name:<13} {inner:<9} {recipe:<14} {plain:>8.1f} {seconds:>8.1f} {seconds / plain:>6.2f}", flush=True)
+                vs_torchao = f" {torchao:>9.1f} {seconds / torchao:>8.2f}" if torchao is not None else ""
+                print(f"{name:<13} {inner:<9} {recipe:<14} {plain:>8.1f} {seconds:>8.1f} {seconds / plain:>6.2f}{vs_torchao}", flush=True)
                 if args.profile:
                     print(f"    {_phases(results)}", flush=True)
     print("target: fp8fx / plain <= 1.15 with inner=inductor")

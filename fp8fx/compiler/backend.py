@@ -26,6 +26,7 @@ import fp8fx.ops  # noqa: F401  (registers the fp8fx::* operators)
 from fp8fx.codegen.dispatch import triton_available
 from fp8fx.codegen.variants import device_target
 from fp8fx.compiler import cache
+from fp8fx.compiler.lowering import lower_elementwise
 from fp8fx.compiler.state import Fp8State, StateInstance, instance_keys, locate
 from fp8fx.core.patterns import BY_TARGET, OPAQUE
 from fp8fx.core.policy import Policy
@@ -463,14 +464,16 @@ class _Rewrite:
 
 
 def _inductor_compile_graph(gm: fx.GraphModule, example_inputs, **kwargs):
-    """Inductor's compile of one partitioned graph; a backward graph first gets its recomputed
+    """Inductor's compile of one partitioned graph. A backward graph first gets its recomputed
     values moved to their first use, as with inner="eager": Inductor keeps its opaque ops (the FP8
-    casts and GEMMs) in graph order, so the partitioner's order made backward recompute every
-    layer's values (and cast every weight again, weight_fp8="recompute") before its first GEMM."""
+    GEMMs) in graph order, so the partitioner's order made backward recompute every layer's values
+    (and cast every weight again, weight_fp8="recompute") before its first GEMM. Then the amaxes,
+    scales and casts become ATen ops for Inductor to fuse (`fp8fx.compiler.lowering`)."""
     from torch._inductor.compile_fx import compile_fx_inner
 
     if kwargs.get("is_backward"):
         recompute_at_first_use(gm)
+    lower_elementwise(gm)
     return compile_fx_inner(gm, example_inputs, **kwargs)
 
 

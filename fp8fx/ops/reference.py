@@ -99,9 +99,15 @@ def scaled_mm(
 ) -> Tensor:
     """`(a * scale_inv_a) @ (b * scale_inv_b) + bias` in `out_dtype`; a, b FP8, 2-D (mm) or 3-D (bmm).
     The CPU accumulates in fp32 whatever `fast_accum` (for Hopper's FP8 accumulator) says."""
+    return emulated_mm(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, block_a, block_b, upcast)
+
+
+def emulated_mm(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, block_a, block_b, to_fp32) -> Tensor:
+    """`scaled_mm`, with the operands taken to fp32 by `to_fp32` (`upcast` eagerly; `.to` where
+    Inductor compiles it, `fp8fx.compiler.lowering`)."""
     check_scaled_mm_args(a, b, scale_inv_a, scale_inv_b, block_a, block_b)
     if not block_a and not block_b:  # tensorwise: one GEMM, one scaling of the result
-        out = torch.matmul(upcast(a), upcast(b)).mul_(scale_inv_a * scale_inv_b)
+        out = torch.matmul(to_fp32(a), to_fp32(b)).mul_(scale_inv_a * scale_inv_b)
     else:
         sa, block_a = _as_blocks(scale_inv_a, block_a)
         sb, block_b = _as_blocks(scale_inv_b, block_b)
@@ -116,7 +122,7 @@ def scaled_mm(
         sa, sb = sa.expand(*sa.shape[:-1], n_k), sb.expand(*sb.shape[:-2], n_k, sb.shape[-1])
         out = None
         for i, start in enumerate(range(0, k, k_block)):
-            part = torch.matmul(upcast(a[..., start : start + k_block]), upcast(b[..., start : start + k_block, :]))
+            part = torch.matmul(to_fp32(a[..., start : start + k_block]), to_fp32(b[..., start : start + k_block, :]))
             part.mul_(sa[..., i : i + 1]).mul_(sb[..., i : i + 1, :])
             out = part if out is None else out.add_(part)
     if bias is not None:
@@ -180,7 +186,14 @@ def fp8_gemm(
     GPU ("triton": the generated kernel, "scaled_mm"; see `fp8fx.ops.cuda`): the emulation is the
     same for both. The CPU accumulates in fp32 whatever `fast_accum` (Hopper's reduced-precision
     FP8 accumulator) says."""
-    y = scaled_mm(a, b, scale_inv_a, scale_inv_b, None, torch.float32, block_a, block_b)
+    return emulated_fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b,
+                             epilogue, upcast)  # fmt: skip
+
+
+def emulated_fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue,
+                      to_fp32) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """`fp8_gemm` with the operands taken to fp32 by `to_fp32` (see `emulated_mm`)."""
+    y = emulated_mm(a, b, scale_inv_a, scale_inv_b, None, torch.float32, block_a, block_b, to_fp32)
     return fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_dtype, Epilogue.parse(epilogue))
 
 

@@ -165,6 +165,7 @@ def decompose_nodes(graph: fx.Graph, decompositions: dict) -> int:
     NotImplemented for its shapes) stays. The subgraphs are traced on the nodes' fake values, so
     every new node carries `meta["val"]`."""
     from torch._inductor.decomposition import select_decomp_table
+    from torch.func import functionalize
     from torch.fx.experimental.proxy_tensor import make_fx
 
     nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in decompositions]
@@ -174,16 +175,19 @@ def decompose_nodes(graph: fx.Graph, decompositions: dict) -> int:
     table = {**select_decomp_table(), **decompositions}
     replaced = 0
     for node in nodes:
-        tensor_args = [a for a in node.args if isinstance(a, fx.Node)]
-        rest = [a for a in node.args if not isinstance(a, fx.Node)]
+        tensor_args = node.all_input_nodes
 
-        def fn(*tensors, _target=node.target, _rest=rest, _kwargs=dict(node.kwargs)):
-            return _target(*tensors, *_rest, **_kwargs)
+        def fn(*tensors, _node=node, _inputs=tensor_args):
+            values = dict(zip(_inputs, tensors))
+            return _node.target(*fx.node.map_arg(_node.args, values.get), **fx.node.map_arg(_node.kwargs, values.get))
 
         with fake_mode:
             if table[node.target](*node_values(node.args), **node_values(node.kwargs)) is NotImplemented:
                 continue
-            sub = make_fx(fn, decomposition_table=table)(*[a.meta["val"] for a in tensor_args])
+            # Functionalized: a decomposition may update its own temporaries in place.
+            sub = make_fx(functionalize(fn, remove="mutations_and_views"), decomposition_table=table)(
+                *[a.meta["val"] for a in tensor_args]
+            )
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
         before = set(graph.nodes)
         with graph.inserting_before(node):

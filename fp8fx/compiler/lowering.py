@@ -1,0 +1,103 @@
+"""What Inductor compiles in place of fp8fx's elementwise ops (and, on CPU, its emulated GEMMs).
+
+The FP8 passes keep every amax -> scale -> cast step an explicit `fp8fx::` node: the partitioner
+sees FP8 copies worth saving (not chains to recompute), and the report reads the decisions off
+them. Once a graph is partitioned, Inductor gets those nodes as the ATen ops they compute, so it
+fuses them like its own: an amax into the kernel that reads its tensor, a scale into a few scalar
+ops of the kernels that read it, a cast into one pass that reads the high-precision tensor once.
+Only the GEMMs (and what must call back into Python: delayed-scaling state, taps, grouped and
+NVFP4 ops) stay opaque.
+
+Where a GEMM would run the exact CPU emulation (CPU tensors, not a generated kernel under Triton's
+interpreter), it too becomes ATen ops: the upcast of its FP8 operands, an fp32 `mm`, the scaling
+and the epilogue, so the emulation fuses as torchao's does. On a GPU, and under the interpreter
+that runs the generated kernels on CPU tensors, the GEMM stays one `fp8fx::` op: the interpreter
+tests run the graph a GPU runs.
+
+The decompositions compute what the reference ops compute, value for value: Inductor rounds
+`x * scale` to fp32 and then to FP8 as eager does, and takes the scale in fp64 as the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, fx
+
+from fp8fx.codegen.dispatch import interpreter_active
+from fp8fx.core import scaling
+from fp8fx.core.formats import FP8_DTYPES, fp8_format_of
+from fp8fx.ops import reference
+from fp8fx.passes.graph_utils import decompose_nodes
+
+fp8fx_ops = torch.ops.fp8fx
+
+
+def _amax(x: Tensor, block: list[int]) -> Tensor:
+    if not block:  # one reduction of |x|, which Inductor can fuse into x's producer or consumers
+        return x.abs().amax().to(torch.float32)
+    return scaling.block_amax(x, tuple(block))
+
+
+def _amax_to_scale(amax: Tensor, fp8_max: float, margin: int, power_of_two: bool, rounding: str | None = None) -> Tensor:
+    return scaling.amax_to_scale(amax, fp8_max, margin, power_of_two, rounding)
+
+
+def _cast(x: Tensor, scale: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:
+    fmt = fp8_format_of(dtype)
+    scale = scaling.expand_blocks(scale, tuple(block), x.shape)
+    return (x.to(torch.float32) * scale).clamp(-fmt.max, fmt.max).to(dtype)
+
+
+def _scale_inverse(scale: Tensor) -> Tensor:
+    return scale.reciprocal()
+
+
+def _saved_copy(x: Tensor, dtype: torch.dtype) -> Tensor:
+    return x.to(dtype)
+
+
+def _to_fp32(x: Tensor) -> Tensor:
+    return x.to(torch.float32)
+
+
+def _emulated(a: Tensor, b: Tensor, gpu_kernel: str = "scaled_mm") -> bool:
+    """Whether a GEMM on `a`, `b` runs the exact CPU emulation (see the module's docstring)."""
+    return (
+        a.device.type == "cpu" and a.dtype in FP8_DTYPES and b.dtype in FP8_DTYPES
+        and not (gpu_kernel in ("triton", "nvfp4") and interpreter_active())
+    )  # fmt: skip
+
+
+def _scaled_mm(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, block_a, block_b, fast_accum=False):
+    if not _emulated(a, b):
+        return NotImplemented
+    return reference.emulated_mm(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, block_a, block_b, _to_fp32)
+
+
+def _fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, *,
+              gpu_kernel, fast_accum):  # fmt: skip
+    if not _emulated(a, b, gpu_kernel):
+        return NotImplemented
+    return reference.emulated_fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a,
+                                       block_b, epilogue, _to_fp32)  # fmt: skip
+
+
+LOWERED = {
+    fp8fx_ops.amax.default: _amax,
+    fp8fx_ops.amax_to_scale.default: _amax_to_scale,
+    fp8fx_ops.cast.default: _cast,
+    fp8fx_ops.scale_inverse.default: _scale_inverse,
+    fp8fx_ops.saved_copy.default: _saved_copy,
+    fp8fx_ops.scaled_mm.default: _scaled_mm,
+    fp8fx_ops.fp8_gemm.default: _fp8_gemm,
+}
+
+
+def lower_elementwise(gm: fx.GraphModule) -> int:
+    """Replace `gm`'s fp8fx amax, scale, cast, scale-inverse and saved-copy nodes, and its emulated
+    GEMMs, by the ATen ops they compute (a partitioned graph, before Inductor compiles it); returns
+    how many."""
+    replaced = decompose_nodes(gm.graph, LOWERED)
+    if replaced:
+        gm.recompile()
+    return replaced
