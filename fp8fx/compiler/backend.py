@@ -11,6 +11,7 @@ which Inductor calls on training joint graphs and inference graphs alike.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 import weakref
 from dataclasses import dataclass, field, replace
@@ -419,7 +420,7 @@ class Fp8fxBackend:
             cache.kept_whole(KEPT_WHOLE) as decompositions,
             inductor_config.patch(joint_custom_pre_pass=_InductorJointPass(rewrite, decompositions)),
         ):
-            compiled = compile_fx(gm, example_inputs, inner_compile=_inductor_compile_graph)
+            compiled = compile_fx(gm, example_inputs, inner_compile=functools.partial(_inductor_compile_graph, kept_whole=decompositions))
         made = self.graphs[first:]
         if records_key is not None and made:
             kept = [
@@ -463,7 +464,7 @@ class _Rewrite:
         return cache.pass_key({"backend": key, "params": sorted(self.param_inputs), "group": group}) if key else None
 
 
-def _inductor_compile_graph(gm: fx.GraphModule, example_inputs, **kwargs):
+def _inductor_compile_graph(gm: fx.GraphModule, example_inputs, *, kept_whole: dict, **kwargs):
     """Inductor's compile of one partitioned graph. A backward graph first gets its recomputed
     values moved to their first use, as with inner="eager": Inductor keeps its opaque ops (the FP8
     GEMMs) in graph order, so the partitioner's order made backward recompute every layer's values
@@ -473,7 +474,7 @@ def _inductor_compile_graph(gm: fx.GraphModule, example_inputs, **kwargs):
 
     if kwargs.get("is_backward"):
         recompute_at_first_use(gm)
-    lower_elementwise(gm)
+    lower_elementwise(gm, kept_whole)
     return compile_fx_inner(gm, example_inputs, **kwargs)
 
 

@@ -42,10 +42,26 @@ def _amax_to_scale(amax: Tensor, fp8_max: float, margin: int, power_of_two: bool
     return scaling.amax_to_scale(amax, fp8_max, margin, power_of_two, rounding)
 
 
+def _scaled(x: Tensor, scale: Tensor, block: list[int]) -> Tensor:
+    """`x * scale` in fp32, one scale per block. Blocks of 1 or of a whole dimension broadcast; other
+    blocks look their scale up by index. (Inductor's CPU code for `repeat_interleave`, which
+    `scaling.expand_blocks` uses eagerly, or for an expanded scale cut to a partial edge block,
+    read the wrong values in that block: torch 2.11 and 2.13.)"""
+    x = x.to(torch.float32)
+    if not block:
+        return x * scale
+    rows, cols = x.shape[-2:]
+    b0, b1 = scaling.block_dims(x.shape, tuple(block))
+    if b0 in (1, rows) and b1 in (1, cols):
+        return x * scale
+    row_block = torch.arange(rows, device=x.device) // b0
+    col_block = torch.arange(cols, device=x.device) // b1
+    return x * scale[..., row_block[:, None], col_block[None, :]]
+
+
 def _cast(x: Tensor, scale: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:
     fmt = fp8_format_of(dtype)
-    scale = scaling.expand_blocks(scale, tuple(block), x.shape)
-    return (x.to(torch.float32) * scale).clamp(-fmt.max, fmt.max).to(dtype)
+    return _scaled(x, scale, block).clamp(-fmt.max, fmt.max).to(dtype)
 
 
 def _scale_inverse(scale: Tensor) -> Tensor:
@@ -93,11 +109,12 @@ LOWERED = {
 }
 
 
-def lower_elementwise(gm: fx.GraphModule) -> int:
+def lower_elementwise(gm: fx.GraphModule, kept_whole: dict) -> int:
     """Replace `gm`'s fp8fx amax, scale, cast, scale-inverse and saved-copy nodes, and its emulated
-    GEMMs, by the ATen ops they compute (a partitioned graph, before Inductor compiles it); returns
-    how many."""
-    replaced = decompose_nodes(gm.graph, LOWERED)
+    GEMMs, by the ATen ops they compute (a partitioned graph, before Inductor compiles it; what they
+    compute is decomposed with `kept_whole` too: the entries the compile took out of Inductor's
+    table, e.g. an epilogue's activation); returns how many."""
+    replaced = decompose_nodes(gm.graph, LOWERED, also=kept_whole)
     if replaced:
         gm.recompile()
     return replaced

@@ -157,9 +157,10 @@ def add_node(graph: fx.Graph, fake_mode, target, args: tuple, kwargs: dict | Non
     return node
 
 
-def decompose_nodes(graph: fx.Graph, decompositions: dict) -> int:
+def decompose_nodes(graph: fx.Graph, decompositions: dict, also: dict | None = None) -> int:
     """Replace each call of an op in `decompositions` by its decomposition, in place (what it
-    decomposes to is traced with Inductor's table too).
+    decomposes to is traced with Inductor's table too, and with `also`: the entries a compile took
+    out of that table).
 
     Returns how many nodes were replaced; a node whose decomposition declines (returns
     NotImplemented for its shapes) stays. The subgraphs are traced on the nodes' fake values, so
@@ -172,7 +173,7 @@ def decompose_nodes(graph: fx.Graph, decompositions: dict) -> int:
     if not nodes:
         return 0
     fake_mode = fake_mode_of(graph)
-    table = {**select_decomp_table(), **decompositions}
+    table = {**select_decomp_table(), **(also or {}), **decompositions}
     replaced = 0
     for node in nodes:
         tensor_args = node.all_input_nodes

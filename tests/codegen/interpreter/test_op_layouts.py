@@ -7,6 +7,7 @@ on a GPU (Inductor's assert_size_stride); this is where the CPU suite sees it.""
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -58,8 +59,11 @@ def test_grouped_kernel(layout):
 
 def test_inductor_training_step_runs_the_gpu_implementations():
     """A training step compiled by Inductor, whose generated code checks every fp8fx op's output
-    against its fake (assert_size_stride): the casts and GEMMs run the code a GPU runs. The model
-    casts a permuted attention output and transposed weights (the first GPU run's crash)."""
+    against its fake (assert_size_stride): the GEMMs run the code a GPU runs, and they are the only
+    fp8fx ops left (Inductor compiles the casts, fp8fx.compiler.lowering). The model casts a
+    permuted attention output and transposed weights (the first GPU run's crash)."""
+    from torch._inductor.utils import run_and_get_code
+
     import fp8fx
     from fp8fx.tools.selftest import ModelDims, SelftestModel
 
@@ -67,6 +71,10 @@ def test_inductor_training_step_runs_the_gpu_implementations():
     model = SelftestModel(ModelDims(64, 4, 128, 1, 13))
     x = torch.randn(1, 13, 64, requires_grad=True)
     backend = fp8fx.backend(inner="inductor", kernels="triton")
-    torch.compile(model, backend=backend)(x).sum().backward()
+    _, code = run_and_get_code(lambda: torch.compile(model, backend=backend)(x).sum().backward())
     assert x.grad is not None and all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
-    assert {op.gpu_kernel for op in fp8fx.report(backend).fp8_ops} == {"triton"}
+    report = fp8fx.report(backend)
+    assert {op.gpu_kernel for op in report.fp8_ops} == {"triton"}
+    called = re.findall(r"torch\.ops\.fp8fx\.(\w+)\.default\(", "\n".join(code))
+    assert called and set(called) == {"fp8_gemm"}, called
+    assert len(called) == len(report.fp8_ops)

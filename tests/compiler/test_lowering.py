@@ -1,0 +1,132 @@
+"""Inductor compiles fp8fx's amaxes, scales and casts (and, on CPU, the emulated GEMMs) as ATen ops
+it fuses (fp8fx.compiler.lowering): no fp8fx op is left in its output code, and what it computes
+is what the ops compute, bit for bit."""
+
+from __future__ import annotations
+
+import functools
+import random
+import re
+
+import pytest
+import torch
+from helpers import meta_llama
+from torch._inductor.utils import run_and_get_code
+
+import fp8fx
+from fp8fx.core.formats import Fp8Format
+
+ops = torch.ops.fp8fx
+SEED = 20261126
+
+
+def fp8fx_calls(code: list[str]) -> list[str]:
+    return re.findall(r"torch\.ops\.fp8fx\.(\w+)\.default\(", "\n".join(code))
+
+
+def lowered_by_inductor(fn, *args):
+    """`fn`'s fp8fx ops compiled by Inductor as the fp8fx backend compiles what its passes leave
+    (fp8fx.compiler.backend._inductor_compile_graph); returns (outputs, Inductor's code)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from fp8fx.compiler.backend import _inductor_compile_graph
+
+    def backend(gm, inputs):
+        return compile_fx(gm, inputs, inner_compile=functools.partial(_inductor_compile_graph, kept_whole={}))
+
+    torch._dynamo.reset()
+    return run_and_get_code(torch.compile(fn, backend=backend, fullgraph=True), *args)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_training_step_leaves_no_fp8fx_op_to_inductor_on_cpu(recipe):
+    """Before the lowering, one Llama layer's step called 111 fp8fx ops from Inductor's code (20
+    amaxes, 21 scales, 21 casts, 21 scale inverses, 4 saved copies, 24 GEMMs)."""
+    torch.manual_seed(0)
+    model = meta_llama(1, hidden=64, inter=128).to_empty(device="cpu")
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    ids = torch.randint(0, 512, (2, 16))
+    backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor")
+    compiled = torch.compile(model, backend=backend)
+    loss, code = run_and_get_code(lambda: compiled(input_ids=ids, labels=ids).loss)
+    loss.backward()
+    assert fp8fx_calls(code) == []
+    assert "Float8_e4m3fn" in "\n".join(code)  # the casts are Inductor's own kernels
+    report = fp8fx.report(backend)
+    assert len(report.fp8_ops) >= 6 and torch.isfinite(loss)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def _cast_case(rng: random.Random, g: torch.Generator):
+    rows, cols = rng.randint(1, 70), rng.randint(1, 300)
+    fmt = rng.choice([Fp8Format.E4M3, Fp8Format.E5M2])
+    dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+    block, margin, power_of_two, rounding = rng.choice(
+        [([], 0, False, None), ([], 1, True, None), ([1, 0], 0, False, None), ([0, 1], 0, True, None),
+         ([1, 32], 0, True, "floor"), ([1, 32], 0, True, None), ([32, 32], 0, False, None), ([16, 0], 2, False, None)]
+    )  # fmt: skip
+    x = torch.randn(rows, cols, generator=g) * 10 ** rng.uniform(-6, 6)
+    special = rng.choice(["none", "zeros", "inf", "nan", "huge"])
+    if special == "zeros":
+        x[: rows // 2] = 0
+    elif special != "none":
+        x.view(-1)[rng.randrange(x.numel())] = {"inf": float("inf"), "nan": float("nan"), "huge": 3e38}[special]
+    return x.to(dtype), (fmt, block, margin, power_of_two, rounding)
+
+
+def test_compiled_casts_equal_the_ops_bit_for_bit():
+    """Generated casts (shapes, dtypes, formats, granularities, margins, power-of-two and MX floor
+    scales, zeros, inf, NaN) in one compiled graph against the ops run eagerly."""
+    rng, g = random.Random(SEED), torch.Generator().manual_seed(SEED)
+    cases = [_cast_case(rng, g) for _ in range(10)]
+
+    def chains(*xs):
+        out = []
+        for x, (fmt, block, margin, power_of_two, rounding) in zip(xs, [c[1] for c in cases]):
+            amax = ops.amax(x, block)
+            scale = ops.amax_to_scale(amax, fmt.max, margin, power_of_two, rounding)
+            out += [amax, scale, ops.cast(x, scale, fmt.dtype, block), ops.scale_inverse(scale)]
+        return out
+
+    inputs = [c[0] for c in cases]
+    compiled, code = lowered_by_inductor(chains, *inputs)
+    assert fp8fx_calls(code) == []
+    for i, (got, want) in enumerate(zip(compiled, chains(*inputs))):
+        what = f"case {i // 4} {cases[i // 4][1]} {['amax', 'scale', 'cast', 'scale_inverse'][i % 4]}"
+        assert got.dtype == want.dtype and got.shape == want.shape, what
+        if got.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # the same bits, or NaN both (payloads may differ)
+            nan = got.float().isnan() & want.float().isnan()
+            got, want = got.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan]
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=what)
+
+
+@pytest.mark.parametrize(
+    "blocks,epilogue",
+    [(([], []), ""), (([1, 0], [0, 1]), "bias,aux=pre_activation,amax"), (([1, 128], [128, 128]), "bias"),
+     (([], []), "bias,act=gelu,aux=pre_activation")],
+)  # fmt: skip
+def test_compiled_cpu_gemms_equal_the_emulation(blocks, epilogue):
+    """On CPU the emulated GEMM is ATen ops too: the same fp32 products, scaled and finished the
+    same way (an activation within an ulp or so: Inductor vectorises it)."""
+    g = torch.Generator().manual_seed(SEED)
+    m, n, k = 48, 40, 256
+    a = (torch.randn(m, k, generator=g) * 4).to(torch.float8_e4m3fn)
+    b = (torch.randn(n, k, generator=g) * 4).to(torch.float8_e5m2).t()
+    sa = torch.rand(fp8fx.core.scaling.scale_shape(a.shape, tuple(blocks[0])), generator=g) + 0.5
+    sb = torch.rand(fp8fx.core.scaling.scale_shape(b.shape, tuple(blocks[1])), generator=g) + 0.5
+    bias = torch.randn(n, generator=g)
+
+    def gemms(a, b, sa, sb, bias):
+        mm = ops.scaled_mm(a, b, sa, sb, None, torch.float32, *blocks)
+        fused = ops.fp8_gemm(a, b, sa, sb, bias if epilogue else None, None, None, None, torch.bfloat16, torch.float32, *blocks, epilogue,
+                             gpu_kernel="triton", fast_accum=False)  # fmt: skip
+        return mm, *fused
+
+    args = (a, b, sa, sb, bias)
+    compiled, code = lowered_by_inductor(gemms, *args)
+    assert fp8fx_calls(code) == []
+    exact = "act=" not in epilogue
+    for what, got, want in zip(["scaled_mm", "out", "aux", "amax"], compiled, gemms(*args)):
+        assert got.dtype == want.dtype and got.shape == want.shape, what
+        torch.testing.assert_close(got, want, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-6, msg=what)
