@@ -27,7 +27,8 @@ import fp8fx.ops  # noqa: F401  (registers the fp8fx::* operators)
 from fp8fx.codegen.dispatch import triton_available
 from fp8fx.codegen.variants import device_target
 from fp8fx.compiler import cache
-from fp8fx.compiler.lowering import lower_elementwise
+from fp8fx.compiler.kernel_passes import KernelPasses, counting
+from fp8fx.compiler.lowering import lower_elementwise, operand_numels
 from fp8fx.compiler.state import Fp8State, StateInstance, instance_keys, locate
 from fp8fx.core.patterns import BY_TARGET, OPAQUE
 from fp8fx.core.policy import Policy
@@ -98,6 +99,7 @@ class GraphRecord:
     # Training graphs partitioned by fp8fx (eager inner): bytes saved for backward per module FQN.
     saved_bytes: dict[str, int] | None = None
     dynamo: DynamoGraph | None = None  # None: compiled outside Dynamo
+    kernel_passes: KernelPasses | None = None  # inner="inductor": the memory passes of the kernels Inductor made
 
     @property
     def superseded(self) -> bool:
@@ -416,18 +418,28 @@ class Fp8fxBackend:
         key = rewrite.pass_key()
         records_key = cache.graph_key(key, gm, example_inputs) if key is not None else None
         first = len(self.graphs)
+        passes = KernelPasses()
         with (
             cache.kept_whole(KEPT_WHOLE) as decompositions,
             inductor_config.patch(joint_custom_pre_pass=_InductorJointPass(rewrite, decompositions)),
         ):
-            compiled = compile_fx(gm, example_inputs, inner_compile=functools.partial(_inductor_compile_graph, kept_whole=decompositions))
+            inner = functools.partial(_inductor_compile_graph, kept_whole=decompositions, passes=passes)
+            compiled = compile_fx(gm, example_inputs, inner_compile=inner)
         made = self.graphs[first:]
+        for g in made:  # (a backward Inductor compiles later is counted when it does: the report reads the counts)
+            g.kernel_passes = passes
         if records_key is not None and made:
-            kept = [
-                {"kind": g.kind, "ops": g.ops, "non_gemm_bytes": g.non_gemm_bytes, "delayed_states": g.delayed_states}
-                for g in made
-            ]
-            cache.save_records(records_key, kept)
+
+            def save() -> None:  # now, and again once a backward compiled later is counted
+                kept = [
+                    {"kind": g.kind, "ops": [op.with_kernel_passes(passes) for op in g.ops], "non_gemm_bytes": g.non_gemm_bytes,
+                     "delayed_states": g.delayed_states}
+                    for g in made
+                ]  # fmt: skip
+                cache.save_records(records_key, kept)
+
+            save()
+            passes.after_compile = save
         elif records_key is not None:  # served from Inductor's cache: the pass did not run
             for g in cache.load_records(records_key):
                 index = len(self.graphs)
@@ -464,18 +476,23 @@ class _Rewrite:
         return cache.pass_key({"backend": key, "params": sorted(self.param_inputs), "group": group}) if key else None
 
 
-def _inductor_compile_graph(gm: fx.GraphModule, example_inputs, *, kept_whole: dict, **kwargs):
+def _inductor_compile_graph(gm: fx.GraphModule, example_inputs, *, kept_whole: dict, passes: KernelPasses | None = None, **kwargs):
     """Inductor's compile of one partitioned graph. A backward graph first gets its recomputed
     values moved to their first use, as with inner="eager": Inductor keeps its opaque ops (the FP8
     GEMMs) in graph order, so the partitioner's order made backward recompute every layer's values
     (and cast every weight again, weight_fp8="recompute") before its first GEMM. Then the amaxes,
-    scales and casts become ATen ops for Inductor to fuse (`fp8fx.compiler.lowering`)."""
+    scales and casts become ATen ops for Inductor to fuse (`fp8fx.compiler.lowering`), and the
+    memory passes of the kernels it makes of them are counted into `passes`."""
     from torch._inductor.compile_fx import compile_fx_inner
 
     if kwargs.get("is_backward"):
         recompute_at_first_use(gm)
+    numels = operand_numels(gm)
     lower_elementwise(gm, kept_whole)
-    return compile_fx_inner(gm, example_inputs, **kwargs)
+    if passes is None or not numels:
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+    with counting(passes, "backward" if kwargs.get("is_backward") else "forward", max(1, min(numels) // 4)):
+        return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
 class _InductorJointPass(CustomGraphPass):
@@ -603,6 +620,8 @@ def _report(backend: Fp8fxBackend, graphs: list[GraphRecord] | None = None) -> R
 
     def rows(g: GraphRecord) -> list[OpRecord]:
         ops = [op.with_state(g.state) for op in g.ops]
+        if g.kernel_passes is not None:
+            ops = [op.with_kernel_passes(g.kernel_passes) for op in ops]
         if g.dynamo is None:
             return ops
         state = "superseded" if g.superseded else "in_use"

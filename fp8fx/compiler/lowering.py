@@ -27,6 +27,7 @@ from fp8fx.codegen.dispatch import interpreter_active
 from fp8fx.core import scaling
 from fp8fx.core.formats import FP8_DTYPES, fp8_format_of
 from fp8fx.ops import reference
+from fp8fx.passes.annotation import annotation, fp8_gemm_nodes
 from fp8fx.passes.graph_utils import decompose_nodes
 
 fp8fx_ops = torch.ops.fp8fx
@@ -109,12 +110,56 @@ LOWERED = {
 }
 
 
+# Meta of the nodes a lowered amax, cast or saved copy becomes (the ops that read or write a whole
+# tensor; scales are scalar work): (site, role) of the FP8 GEMM whose memory passes the kernels
+# they run in count towards (fp8fx.compiler.kernel_passes).
+CHARGED_TO = "fp8fx_charged_to"
+# Meta of the nodes an emulated GEMM becomes on CPU: their kernels (the operands' fp32 upcasts,
+# the scaling) stand for the GEMM a GPU runs, and are not FP8's passes.
+EMULATED_GEMM = "fp8fx_emulated_gemm"
+LOWERED_FROM = "fp8fx_lowered_from"  # meta of every node a lowered op becomes: the op's name
+_ELEMENTWISE = (fp8fx_ops.amax.default, fp8fx_ops.cast.default, fp8fx_ops.saved_copy.default)
+
+
+def _charges(graph: fx.Graph) -> dict[fx.Node, dict]:
+    """Per amax, cast and saved copy, the GEMM it is charged to: the first (in graph order) FP8 GEMM
+    its value reaches, or, for a saved copy, the GEMM whose output it copies."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    gemms = {n for n in fp8_gemm_nodes(graph) if annotation(n) is not None}
+    charges = {}
+    for node in graph.nodes:
+        if node.target not in _ELEMENTWISE:
+            continue
+        frontier, seen, found = [node], {node}, []
+        for _ in range(8):  # casts reach their GEMMs through a few views and scale ops
+            step = [m for n in frontier for m in (n.all_input_nodes if node.target is fp8fx_ops.saved_copy.default else n.users)]
+            found += [m for m in step if m in gemms]
+            frontier = [m for m in step if m not in seen and m not in gemms]
+            seen.update(frontier)
+        if found:
+            ann = annotation(min(found, key=order.__getitem__))
+            charges[node] = {CHARGED_TO: (ann.site, ann.role)}
+    for node in graph.nodes:
+        if node.target in LOWERED:  # (only the nodes lowered take it)
+            charges.setdefault(node, {})[LOWERED_FROM] = node.target.name()
+        if node.target in (fp8fx_ops.scaled_mm.default, fp8fx_ops.fp8_gemm.default):
+            charges[node][EMULATED_GEMM] = True
+    return charges
+
+
 def lower_elementwise(gm: fx.GraphModule, kept_whole: dict) -> int:
     """Replace `gm`'s fp8fx amax, scale, cast, scale-inverse and saved-copy nodes, and its emulated
     GEMMs, by the ATen ops they compute (a partitioned graph, before Inductor compiles it; what they
     compute is decomposed with `kept_whole` too: the entries the compile took out of Inductor's
-    table, e.g. an epilogue's activation); returns how many."""
-    replaced = decompose_nodes(gm.graph, LOWERED, also=kept_whole)
+    table, e.g. an epilogue's activation); returns how many. The nodes an amax, cast or saved copy
+    becomes carry the GEMM it is charged to (`CHARGED_TO`)."""
+    replaced = decompose_nodes(gm.graph, LOWERED, also=kept_whole, meta=_charges(gm.graph))
     if replaced:
         gm.recompile()
     return replaced
+
+
+def operand_numels(gm: fx.GraphModule) -> list[int]:
+    """Elements of each tensor the graph casts to FP8 (static shapes only), before lowering."""
+    casts = [n for n in gm.graph.nodes if n.target is fp8fx_ops.cast.default]
+    return [n for n in (c.args[0].meta["val"].numel() for c in casts) if isinstance(n, int)]

@@ -84,6 +84,7 @@ class Fusion:
     absorbed: tuple[str, ...] = ()  # the graph nodes the fused kernel replaced
     variant: GemmVariant | None = None  # the generated kernel's variant
     memory_passes: tuple[int, int] | None = None  # full-tensor passes FP8 adds over BF16, and the epilogue saves
+    transposed_copies: int = 0  # of those added, the operand copies the GEMM makes (not K-contiguous)
 
 
 Dim = Any  # int, a SymInt when dynamic, None when the op's shapes do not tell it

@@ -286,28 +286,30 @@ class _Fuser:
 
 
 def _count_memory_passes(graph: fx.Graph) -> None:
-    """Per FP8 GEMM: full passes over an operand-sized tensor that FP8 adds to a BF16 GEMM, and
-    the elementwise passes its epilogue saves. Added: each operand cast this GEMM is the first to
-    use costs an amax read (unless a producer epilogue made the amax) and a cast read + write; an
-    operand that is not K-contiguous costs a transposing copy."""
+    """Per FP8 GEMM: memory passes (a kernel's read or write of an operand-sized tensor) that FP8
+    adds to a BF16 GEMM, and the elementwise passes its epilogue saves, as the ops run one by one
+    (`inner="eager"`). Added: each operand cast this GEMM is the first to use costs an amax read
+    (unless a producer epilogue made the amax), a cast read and a write; an operand that is not
+    K-contiguous costs a transposing copy (a read and a write). Under Inductor the casts' share is
+    counted again from the kernels it makes (`fp8fx.compiler.kernel_passes`)."""
     charged: set[fx.Node] = set()
     gemms = [n for n in graph.nodes if n.target in (fp8fx_ops.fp8_gemm.default, fp8fx_ops.scaled_mm.default)]
     # Forward GEMMs first: a fused node may sit late in the joint graph, but it runs in forward.
     for node in sorted(gemms, key=lambda n: annotation(n).role != "output"):
-        added = 0
+        added = copies = 0
         for i, operand in enumerate(node.args[:2]):
             cast, _ = strip_layout(operand)
             if cast.target in (fp8fx_ops.cast.default, fp8fx_ops.cast_nvfp4.default) and cast not in charged:
                 charged.add(cast)
-                added += 1
+                added += 2  # the cast reads the tensor and writes its FP8 copy
                 amax = _amax_of(cast)
                 added += amax is None or amax.target == fp8fx_ops.amax.default
             val = operand.meta["val"]
-            # A symbolic stride counts as a copy unless it is provably 1 (and adds no guard).
-            added += not statically_known_true((val.stride(-1) if i == 0 else val.stride(-2)) == 1)
+            # A symbolic stride counts as a copy (a read and a write) unless it is provably 1 (and adds no guard).
+            copies += 2 * (not statically_known_true((val.stride(-1) if i == 0 else val.stride(-2)) == 1))
         ep = annotation(node).fusion.epilogue if annotation(node).fusion else None
         saved = ep.ops() + ep.out_amax if ep is not None else 0
-        update_fusion(node, memory_passes=(added, saved))
+        update_fusion(node, memory_passes=(added + copies, saved), transposed_copies=copies)
 
 
 def _amax_of(cast: fx.Node) -> fx.Node | None:

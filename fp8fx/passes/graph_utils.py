@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,10 +159,10 @@ def add_node(graph: fx.Graph, fake_mode, target, args: tuple, kwargs: dict | Non
     return node
 
 
-def decompose_nodes(graph: fx.Graph, decompositions: dict, also: dict | None = None) -> int:
+def decompose_nodes(graph: fx.Graph, decompositions: dict, also: dict | None = None, meta: dict | None = None) -> int:
     """Replace each call of an op in `decompositions` by its decomposition, in place (what it
     decomposes to is traced with Inductor's table too, and with `also`: the entries a compile took
-    out of that table).
+    out of that table). `meta` maps a node to entries every node of its decomposition gets.
 
     Returns how many nodes were replaced; a node whose decomposition declines (returns
     NotImplemented for its shapes) stays. The subgraphs are traced on the nodes' fake values, so
@@ -178,14 +180,15 @@ def decompose_nodes(graph: fx.Graph, decompositions: dict, also: dict | None = N
     for node in nodes:
         tensor_args = node.all_input_nodes
 
-        def fn(*tensors, _node=node, _inputs=tensor_args):
+        def fn(*tensors, _node=node, _inputs=tensor_args, _decompose=table[node.target]):
             values = dict(zip(_inputs, tensors))
-            return _node.target(*fx.node.map_arg(_node.args, values.get), **fx.node.map_arg(_node.kwargs, values.get))
+            return _decompose(*fx.node.map_arg(_node.args, values.get), **fx.node.map_arg(_node.kwargs, values.get))
 
         with fake_mode:
             if table[node.target](*node_values(node.args), **node_values(node.kwargs)) is NotImplemented:
                 continue
-            # Functionalized: a decomposition may update its own temporaries in place.
+            # The decomposition itself is traced (not the op, which functionalization would pass
+            # through whole), functionalized: it may update its own temporaries in place.
             sub = make_fx(functionalize(fn, remove="mutations_and_views"), decomposition_table=table)(
                 *[a.meta["val"] for a in tensor_args]
             )
@@ -196,6 +199,11 @@ def decompose_nodes(graph: fx.Graph, decompositions: dict, also: dict | None = N
         for new in graph.nodes:
             if new not in before:  # the partitioners read the forward / backward tag
                 new.meta.update({k: node.meta[k] for k in ("partitioner_tag", "stack_trace") if k in node.meta})
+                new.meta.update((meta or {}).get(node, {}))
+        if isinstance(out, (tuple, list)):  # a multi-output op: its getitems become the outputs themselves
+            for user in [u for u in node.users if u.target is operator.getitem]:
+                user.replace_all_uses_with(out[user.args[1]])
+                graph.erase_node(user)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
         replaced += 1

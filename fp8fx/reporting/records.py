@@ -75,6 +75,10 @@ class OpRecord:
     fusion: str | None = None
     memory_passes_added: int | None = None
     memory_passes_saved: int | None = None
+    transposed_copies: int | None = None  # of the passes added, the operand copies the GEMM makes
+    # "inductor": the casts' passes counted from the kernels Inductor made (fp8fx.compiler.kernel_passes);
+    # "ops": as the ops run one by one (inner="eager", or a graph served from Inductor's cache).
+    memory_passes_from: str | None = None
     # Delayed scaling, read from the model when the report is made:
     scale: tuple[float, float] | None = None  # x_fp8 = saturate(x * scale)
     scale_inv: tuple[float, float] | None = None  # x ~= x_fp8 * scale_inv
@@ -149,8 +153,18 @@ class OpRecord:
             fusion=fusion.stop if fusion else None,
             memory_passes_added=fusion.memory_passes[0] if fusion and fusion.memory_passes else None,
             memory_passes_saved=fusion.memory_passes[1] if fusion and fusion.memory_passes else None,
+            transposed_copies=fusion.transposed_copies if fusion and fusion.memory_passes else None,
+            memory_passes_from="ops" if fusion and fusion.memory_passes else None,
             groups=_dim(ann.groups) if ann.groups is not None else None,
         )
+
+    def with_kernel_passes(self, passes) -> OpRecord:
+        """This record with the passes counted from Inductor's kernels, where they were counted
+        (`fp8fx.compiler.kernel_passes.KernelPasses`)."""
+        if self.memory_passes_added is None or not passes.counted(self.role):
+            return self
+        added = passes.passes[(self.site, self.role)] + (self.transposed_copies or 0)
+        return replace(self, memory_passes_added=added, memory_passes_from="inductor")
 
     def with_state(self, state) -> OpRecord:
         """This record with the current scale, scale_inv and non-finite counts of its delayed states."""

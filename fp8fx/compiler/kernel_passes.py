@@ -1,0 +1,121 @@
+"""Memory passes FP8 adds, counted from the kernels Inductor makes of a graph.
+
+A pass is one kernel's read or write of an operand-sized tensor in memory. After Inductor has
+fused a graph's nodes into kernels, each kernel that computes part of a lowered amax, scale, cast
+or saved copy (`fp8fx.compiler.lowering`) is charged, on that op's GEMM, with
+- each operand-sized tensor it writes for FP8 (the FP8 copy, a saved copy) that outlives it, and
+- each operand-sized tensor it reads only for FP8 work: an amax or cast that rides on the kernel
+  producing or already reading its tensor reads nothing more, and costs nothing here.
+GEMMs are not counted: on a GPU they are not kernels Inductor generates, and on CPU the kernels of
+an emulated GEMM stand for one (the transposing copies a GEMM makes are counted by the passes,
+`fp8fx.passes.fuse_epilogues`).
+
+Inductor calls `count_after_fusion` (its `_post_fusion_custom_pass`, in a form its FX graph cache
+can key) while `counting` is active. A graph served from that cache
+is not scheduled again: it gets no count, and the report keeps the passes' estimate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+
+from fp8fx.compiler.lowering import CHARGED_TO, EMULATED_GEMM
+
+_active: list[KernelPasses] = []
+
+
+class KernelPasses:
+    """Passes per charged GEMM ((site, role) -> count) over the graphs compiled while counting."""
+
+    def __init__(self) -> None:
+        self.passes: Counter = Counter()
+        # Which graphs Inductor scheduled: "forward" (or inference) and "backward"; a graph served
+        # from its cache is not scheduled, and its GEMMs keep the passes' estimate.
+        self.scheduled: set[str] = set()
+        self.min_numel = 0  # the smallest operand-sized tensor of the graph being compiled
+        self.graph = "forward"
+        self.after_compile = None  # called after each graph counted (a backward compiles after the forward has run)
+
+    def counted(self, role: str) -> bool:
+        """Whether the kernels of a GEMM of `role` (and of the casts it is charged) were counted."""
+        return ("forward" if role == "output" else "backward") in self.scheduled
+
+    def count(self, kernels: list) -> None:
+        from torch._inductor.virtualized import V
+
+        self.scheduled.add(self.graph)
+        outputs = set(V.graph.get_output_names())
+        read_by = {k: {d.name for d in k.read_writes.reads} for k in kernels}
+
+        def large(dep) -> bool:
+            return V.graph.sizevars.optimization_hint(dep.get_numel(), fallback=0) >= self.min_numel
+
+        for kernel in kernels:
+            if kernel.is_extern():
+                continue
+            parts = kernel.get_nodes()
+            charges = {part: _charge(part) for part in parts}
+            if not any(charges.values()):
+                continue
+            for part, charge in charges.items():
+                for dep in part.read_writes.writes if charge else ():
+                    outlives = dep.name in outputs or any(dep.name in names for k, names in read_by.items() if k is not kernel)
+                    self.passes[charge] += large(dep) and outlives
+            for dep in kernel.read_writes.reads:
+                readers = [p for p in parts if dep.name in {d.name for d in p.read_writes.reads}]
+                if large(dep) and readers and all(charges[p] for p in readers):
+                    self.passes[charges[readers[0]]] += 1
+
+
+def _charge(part) -> tuple[str, str] | None:
+    """The GEMM a scheduled node's FP8 work is charged to (None: it does none, or it is part of an
+    emulated GEMM, into which Inductor may inline the cast it reads)."""
+    node = getattr(part, "node", None)
+    origins = list(node.get_origins()) if node is not None else []
+    if any(EMULATED_GEMM in o.meta for o in origins):
+        return None
+    return next((o.meta[CHARGED_TO] for o in origins if CHARGED_TO in o.meta), None)
+
+
+def count_after_fusion(kernels: list) -> list:
+    if _active:
+        _active[-1].count(kernels)
+    return kernels
+
+
+try:  # torch 2.13's FX graph cache keys a CustomSchedulerPass by its uuid, and bypasses any other callable
+    from torch._inductor.custom_graph_pass import CustomSchedulerPass
+except ImportError:  # torch 2.11 has no such class, and keys the (module-level) function by its name
+    CustomSchedulerPass = None
+
+if CustomSchedulerPass is not None:
+
+    class CountAfterFusion(CustomSchedulerPass):  # module-level: the cache key pickles it
+        def __call__(self, kernels: list) -> list:
+            return count_after_fusion(kernels)
+
+        def uuid(self) -> str:
+            return "fp8fx.compiler.kernel_passes"  # counting changes no generated code
+
+    SCHEDULER_PASS = CountAfterFusion()
+else:
+    SCHEDULER_PASS = count_after_fusion
+
+
+@contextlib.contextmanager
+def counting(passes: KernelPasses, graph: str, min_numel: int) -> Iterator[None]:
+    """Count the kernels of the `graph` ("forward" | "backward") Inductor compiles inside into
+    `passes`; tensors of at least `min_numel` elements are operand-sized."""
+    from torch._inductor import config
+
+    passes.graph, passes.min_numel = graph, min_numel
+    _active.append(passes)
+    try:
+        with config.patch(_post_fusion_custom_pass=SCHEDULER_PASS):
+            yield
+    finally:
+        _active.pop()
+    if passes.after_compile is not None:
+        passes.after_compile()
