@@ -15,8 +15,8 @@ and Triton cache directory, so compiles are cold and a crash, an OOM or a timeou
 own row. Per variant: per-step and final loss, the first step (compile included, wall clock), the
 median of the timed steps after the warm-up steps (CUDA events), the peak memory of the timed steps
 (torch.cuda.max_memory_allocated, reset after warm-up), fp8fx's report summary (GEMMs in FP8, fused
-epilogues, memory passes added / saved, kernels), and the speedup and memory ratio to BF16 from the
-same run. BF16 and torchao use `torch.compile` with the same inner compiler as fp8fx ("inductor",
+epilogues, memory passes added / saved, kernels), the fp8fx ops Inductor's generated code calls
+(only GEMMs should be left; none on CPU), and the speedup and memory ratio to BF16 from the same run. BF16 and torchao use `torch.compile` with the same inner compiler as fp8fx ("inductor",
 or "aot_eager" for --inner eager). Recipes this GPU cannot run are rows marked skipped. Under
 torch.compile before torch 2.14, transformers hands SDPA an explicit causal mask (so no flash
 attention), in every variant alike.
@@ -40,6 +40,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import signal
 import statistics
 import subprocess
@@ -49,6 +50,7 @@ import time
 import traceback
 
 import torch
+from torch._inductor.utils import run_and_get_code
 
 import fp8fx
 from fp8fx.codegen.variants import arch_of
@@ -216,7 +218,8 @@ def run_variant(name: str, args) -> dict:
 
     sync()
     t0 = time.perf_counter()
-    losses = [step(batches[0])]  # compiles forward and backward
+    loss, code = run_and_get_code(step, batches[0])  # compiles forward and backward
+    losses = [loss]
     sync()
     first_s = time.perf_counter() - t0
     losses += [step(tokens) for tokens in batches[1 : args.warmup]]
@@ -232,7 +235,16 @@ def run_variant(name: str, args) -> dict:
     if parse_variant(name)[0] == "fp8fx":
         report = fp8fx.report(compiled)
         out.update(fp8fx_report=report.summary(), fp8fx_report_lines=report.summary_lines())
+        if args.inner == "inductor":
+            out["fp8fx_ops_called"] = fp8fx_ops_called(code)
     return out
+
+
+def fp8fx_ops_called(code: list[str]) -> dict[str, int]:
+    """How often Inductor's generated code calls each fp8fx op (the GEMMs on a GPU; none on CPU,
+    where Inductor compiles the emulated GEMMs too)."""
+    names = re.findall(r"torch\.ops\.fp8fx\.(\w+)\.default\(", "\n".join(code))
+    return {name: names.count(name) for name in sorted(set(names))}
 
 
 def child(args) -> None:
@@ -303,7 +315,7 @@ def status_text(r: dict) -> str:
 
 def markdown(rows: list[dict]) -> str:
     head = ("variant", "status", "final loss", "step ms", "speedup", "first step s", "peak GiB", "mem / bf16",
-            "FP8 GEMMs", "fused", "passes +/-")  # fmt: skip
+            "FP8 GEMMs", "fused", "passes +/-", "fp8fx ops in code")  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
     for r in rows:
         s = r.get("fp8fx_report") or {}
@@ -313,6 +325,7 @@ def markdown(rows: list[dict]) -> str:
             fmt(r.get("peak_memory_bytes"), ".2f", 2**-30), fmt(r.get("memory_vs_bf16"), ".2f"),
             f"{s['fp8_gemms']}/{s['gemms']}" if s else "-", str(s["fused_epilogues"]) if s else "-",
             f"+{s['memory_passes_added']}/-{s['memory_passes_saved']}" if s else "-",
+            ", ".join(f"{n} {k}" for n, k in r["fp8fx_ops_called"].items()) or "none" if "fp8fx_ops_called" in r else "-",
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
