@@ -28,7 +28,7 @@ from fp8fx.codegen.dispatch import triton_available
 from fp8fx.codegen.variants import device_target
 from fp8fx.compiler import cache
 from fp8fx.compiler.kernel_passes import KernelPasses, counting
-from fp8fx.compiler.lowering import lower_elementwise, operand_numels
+from fp8fx.compiler.lowering import lay_out_operands, lower_elementwise, operand_numels
 from fp8fx.compiler.state import Fp8State, StateInstance, instance_keys, locate
 from fp8fx.core.patterns import BY_TARGET, OPAQUE
 from fp8fx.core.policy import Policy
@@ -480,14 +480,18 @@ def _inductor_compile_graph(gm: fx.GraphModule, example_inputs, *, kept_whole: d
     """Inductor's compile of one partitioned graph. A backward graph first gets its recomputed
     values moved to their first use, as with inner="eager": Inductor keeps its opaque ops (the FP8
     GEMMs) in graph order, so the partitioner's order made backward recompute every layer's values
-    (and cast every weight again, weight_fp8="recompute") before its first GEMM. Then the amaxes,
-    scales and casts become ATen ops for Inductor to fuse (`fp8fx.compiler.lowering`), and the
+    (and cast every weight again, weight_fp8="recompute") before its first GEMM. Then GEMM operands
+    cast here get the K-major layout the tensor cores read, and the amaxes, scales and casts become
+    ATen ops for Inductor to fuse (`fp8fx.compiler.lowering`), and the
     memory passes of the kernels it makes of them are counted into `passes`."""
     from torch._inductor.compile_fx import compile_fx_inner
 
     if kwargs.get("is_backward"):
         recompute_at_first_use(gm)
     numels = operand_numels(gm)
+    copies = lay_out_operands(gm)
+    if passes is not None:
+        passes.copies.update(copies)
     lower_elementwise(gm, kept_whole)
     if passes is None or not numels:
         return compile_fx_inner(gm, example_inputs, **kwargs)

@@ -28,9 +28,10 @@ from fp8fx.core import scaling
 from fp8fx.core.formats import FP8_DTYPES, fp8_format_of
 from fp8fx.ops import reference
 from fp8fx.passes.annotation import annotation, fp8_gemm_nodes
-from fp8fx.passes.graph_utils import decompose_nodes
+from fp8fx.passes.graph_utils import add_node, decompose_nodes, fake_mode_of, strip_layout
 
 fp8fx_ops = torch.ops.fp8fx
+aten = torch.ops.aten
 
 
 def _amax(x: Tensor, block: list[int]) -> Tensor:
@@ -163,3 +164,49 @@ def operand_numels(gm: fx.GraphModule) -> list[int]:
     """Elements of each tensor the graph casts to FP8 (static shapes only), before lowering."""
     casts = [n for n in gm.graph.nodes if n.target is fp8fx_ops.cast.default]
     return [n for n in (c.args[0].meta["val"].numel() for c in casts) if isinstance(n, int)]
+
+
+def _k_contiguous(val: Tensor, side: int) -> bool:
+    """Whether a 2-D GEMM operand is laid out as the tensor cores read it: K-contiguous (the left
+    operand row-major, the right one column-major); a symbolic stride counts as not."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true((val.stride(-1) if side == 0 else val.stride(-2)) == 1)
+
+
+def lay_out_operands(gm: fx.GraphModule) -> dict[tuple[str, str], int]:
+    """Give each 2-D FP8 GEMM operand that is cast in this graph but not K-contiguous a K-major copy
+    made from the cast (before lowering, so that Inductor writes it from the cast's kernel, reading
+    the high-precision tensor once, rather than the GEMM copying the FP8 tensor: a read and a write
+    fewer). Returns, per GEMM (site, role), the memory passes of the copies its GPU launcher still
+    makes: 2 for each operand that is neither K-contiguous nor cast here (an FP8 tensor forward
+    saved for backward)."""
+    fake_mode = fake_mode_of(gm.graph)
+    laid: dict[tuple[fx.Node, int], fx.Node] = {}
+    copies = {}
+    for gemm in [n for n in fp8_gemm_nodes(gm.graph) if n.target is not fp8fx_ops.fp8_grouped_mm.default and annotation(n) is not None]:
+        left = 0
+        for side in (0, 1):
+            operand = gemm.args[side]
+            val = operand.meta["val"]
+            if val.dim() != 2 or _k_contiguous(val, side):
+                continue
+            if strip_layout(operand)[0].target is not fp8fx_ops.cast.default:
+                left += 2
+                continue
+            if (operand, side) not in laid:
+                with gm.graph.inserting_before(gemm):
+                    contiguous = {"memory_format": torch.contiguous_format}
+                    if side == 0:
+                        laid[(operand, side)] = add_node(gm.graph, fake_mode, aten.clone.default, (operand,), contiguous, tag_from=gemm)
+                    else:  # column-major: the transpose's row-major copy, transposed back
+                        t = add_node(gm.graph, fake_mode, aten.permute.default, (operand, [1, 0]), tag_from=gemm)
+                        t = add_node(gm.graph, fake_mode, aten.clone.default, (t,), contiguous, tag_from=gemm)
+                        laid[(operand, side)] = add_node(gm.graph, fake_mode, aten.permute.default, (t, [1, 0]), tag_from=gemm)
+            args = list(gemm.args)
+            args[side] = laid[(operand, side)]
+            gemm.args = tuple(args)
+        ann = annotation(gemm)
+        copies[(ann.site, ann.role)] = left
+    gm.recompile()
+    return copies

@@ -163,8 +163,9 @@ class OpRecord:
         (`fp8fx.compiler.kernel_passes.KernelPasses`)."""
         if self.memory_passes_added is None or not passes.counted(self.role):
             return self
-        added = passes.passes[(self.site, self.role)] + (self.transposed_copies or 0)
-        return replace(self, memory_passes_added=added, memory_passes_from="inductor")
+        copies = passes.copies.get((self.site, self.role), self.transposed_copies)
+        added = passes.passes[(self.site, self.role)] + (copies or 0)
+        return replace(self, memory_passes_added=added, transposed_copies=copies, memory_passes_from="inductor")
 
     def with_state(self, state) -> OpRecord:
         """This record with the current scale, scale_inv and non-finite counts of its delayed states."""

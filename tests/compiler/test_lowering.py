@@ -56,6 +56,12 @@ def test_a_training_step_leaves_no_fp8fx_op_to_inductor_on_cpu(recipe):
     assert "Float8_e4m3fn" in "\n".join(code)  # the casts are Inductor's own kernels
     report = fp8fx.report(backend)
     assert len(report.fp8_ops) >= 6 and torch.isfinite(loss)
+    # Memory passes counted from Inductor's kernels: fewer than the ops one by one would make, and
+    # fewer operand copies (operands cast in the graph are written K-major by their cast's kernel).
+    assert {op.memory_passes_from for op in report.fp8_ops} == {"inductor"}
+    one_by_one = [op for g in backend.graphs for op in g.ops if op.memory_passes_added is not None]
+    assert sum(op.memory_passes_added for op in report.fp8_ops) < sum(op.memory_passes_added for op in one_by_one)
+    assert sum(op.transposed_copies for op in report.fp8_ops) < sum(op.transposed_copies for op in one_by_one)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
