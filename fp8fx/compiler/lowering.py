@@ -122,12 +122,13 @@ LOWERED_FROM = "fp8fx_lowered_from"  # meta of every node a lowered op becomes: 
 _ELEMENTWISE = (fp8fx_ops.amax.default, fp8fx_ops.cast.default, fp8fx_ops.saved_copy.default)
 
 
-def _charges(graph: fx.Graph) -> dict[fx.Node, dict]:
-    """Per amax, cast and saved copy, the GEMM it is charged to: the first (in graph order) FP8 GEMM
-    its value reaches, or, for a saved copy, the GEMM whose output it copies."""
+def _lowering_meta(graph: fx.Graph) -> dict[fx.Node, dict]:
+    """The meta each lowered node's decomposition gets: `LOWERED_FROM`; `EMULATED_GEMM` for a GEMM;
+    for an amax, cast or saved copy, `CHARGED_TO` the first (in graph order) FP8 GEMM its value
+    reaches, or, for a saved copy, the GEMM whose output it copies."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     gemms = {n for n in fp8_gemm_nodes(graph) if annotation(n) is not None}
-    charges = {}
+    charges: dict[fx.Node, dict] = {}
     for node in graph.nodes:
         if node.target not in _ELEMENTWISE:
             continue
@@ -154,7 +155,7 @@ def lower_elementwise(gm: fx.GraphModule, kept_whole: dict) -> int:
     compute is decomposed with `kept_whole` too: the entries the compile took out of Inductor's
     table, e.g. an epilogue's activation); returns how many. The nodes an amax, cast or saved copy
     becomes carry the GEMM it is charged to (`CHARGED_TO`)."""
-    replaced = decompose_nodes(gm.graph, LOWERED, also=kept_whole, meta=_charges(gm.graph))
+    replaced = decompose_nodes(gm.graph, LOWERED, also=kept_whole, meta=_lowering_meta(gm.graph))
     if replaced:
         gm.recompile()
     return replaced

@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from fp8fx.passes.annotation import GemmAnnotation
 
-SCHEMA = "fp8fx.report/2"  # version of the to_dict()/JSON layout; bumped when a field changes meaning
+SCHEMA = "fp8fx.report/3"  # version of the to_dict()/JSON layout; bumped when a field changes meaning
 
 
 def has_values(t: torch.Tensor) -> bool:
