@@ -1,8 +1,8 @@
 """Memory passes FP8 adds, counted from the kernels Inductor makes of a graph.
 
 A pass is one kernel's read or write of an operand-sized tensor in memory. After Inductor has
-fused a graph's nodes into kernels, each kernel that computes part of a lowered amax, scale, cast
-or saved copy (`fp8fx.compiler.lowering`) is charged, on that op's GEMM, with
+fused a graph's nodes into kernels, each kernel that computes part of a lowered amax, cast or
+saved copy (`fp8fx.compiler.lowering`; a scale is scalar work) is charged, on that op's GEMM, with
 - each operand-sized tensor it writes for FP8 (the FP8 copy, a saved copy) that outlives it, and
 - each operand-sized tensor it reads only for FP8 work: an amax or cast that rides on the kernel
   producing or already reading its tensor reads nothing more, and costs nothing here.
@@ -11,8 +11,8 @@ an emulated GEMM stand for one (the transposing copies a GEMM makes are counted 
 `fp8fx.passes.fuse_epilogues`).
 
 Inductor calls `count_after_fusion` (its `_post_fusion_custom_pass`, in a form its FX graph cache
-can key) while `counting` is active. A graph served from that cache
-is not scheduled again: it gets no count, and the report keeps the passes' estimate.
+can key) while `counting` is active. A graph served from that cache is not scheduled again: it
+gets no count, and the report keeps the count of the ops one by one (`memory_passes_from: "ops"`).
 """
 
 from __future__ import annotations
