@@ -8,10 +8,6 @@ import pytest
 # (which without it runs silently, unfused), and AOTAutograd a custom op whose output aliases an
 # input: every run of the suite is held to that. Set before torch reads it on import.
 os.environ.setdefault("CI", "1")
-# Inductor's CPU kernels without SIMD: their C++ builds take about half the time of vectorised
-# ones, which with fp8fx's casts compiled by Inductor is most of a fresh suite's time. The
-# vectorised code of the lowered casts and GEMMs is checked by tests/compiler/test_lowering.py.
-os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import torch
 
