@@ -21,7 +21,7 @@ import contextlib
 from collections import Counter
 from collections.abc import Iterator
 
-from fp8fx.compiler.lowering import CHARGED_TO, EMULATED_GEMM
+from fp8fx.compiler.lowering import CHARGED_TO, EMULATED_GEMMS, LOWERED_FROM
 
 _active: list[KernelPasses] = []
 
@@ -50,6 +50,7 @@ class KernelPasses:
         self.scheduled.add(self.graph)
         outputs = set(V.graph.get_output_names())
         read_by = {k: {d.name for d in k.read_writes.reads} for k in kernels}
+        kernels_reading = Counter(name for names in read_by.values() for name in names)
 
         def large(dep) -> bool:
             return V.graph.sizevars.optimization_hint(dep.get_numel(), fallback=0) >= self.min_numel
@@ -63,10 +64,11 @@ class KernelPasses:
                 continue
             for part, charge in charges.items():
                 for dep in part.read_writes.writes if charge else ():
-                    outlives = dep.name in outputs or any(dep.name in names for k, names in read_by.items() if k is not kernel)
+                    outlives = dep.name in outputs or kernels_reading[dep.name] > (dep.name in read_by[kernel])
                     self.passes[charge] += large(dep) and outlives
+            part_reads = {p: {d.name for d in p.read_writes.reads} for p in parts}
             for dep in kernel.read_writes.reads:
-                readers = [p for p in parts if dep.name in {d.name for d in p.read_writes.reads}]
+                readers = [p for p in parts if dep.name in part_reads[p]]
                 if large(dep) and readers and all(charges[p] for p in readers):
                     self.passes[charges[readers[0]]] += 1
 
@@ -76,7 +78,7 @@ def _charge(part) -> tuple[str, str] | None:
     emulated GEMM, into which Inductor may inline the cast it reads)."""
     node = getattr(part, "node", None)
     origins = list(node.get_origins()) if node is not None else []
-    if any(EMULATED_GEMM in o.meta for o in origins):
+    if any(o.meta.get(LOWERED_FROM) in EMULATED_GEMMS for o in origins):
         return None
     return next((o.meta[CHARGED_TO] for o in origins if CHARGED_TO in o.meta), None)
 

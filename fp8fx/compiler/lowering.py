@@ -28,7 +28,7 @@ from fp8fx.core import scaling
 from fp8fx.core.formats import FP8_DTYPES, fp8_format_of
 from fp8fx.ops import reference
 from fp8fx.passes.annotation import annotation, fp8_gemm_nodes
-from fp8fx.passes.graph_utils import add_node, decompose_nodes, fake_mode_of, strip_layout
+from fp8fx.passes.graph_utils import add_node, decompose_nodes, fake_mode_of, k_contiguous, strip_layout
 
 fp8fx_ops = torch.ops.fp8fx
 aten = torch.ops.aten
@@ -38,10 +38,6 @@ def _amax(x: Tensor, block: list[int]) -> Tensor:
     if not block:  # one reduction of |x|, which Inductor can fuse into x's producer or consumers
         return x.abs().amax().to(torch.float32)
     return scaling.block_amax(x, tuple(block))
-
-
-def _amax_to_scale(amax: Tensor, fp8_max: float, margin: int, power_of_two: bool, rounding: str | None = None) -> Tensor:
-    return scaling.amax_to_scale(amax, fp8_max, margin, power_of_two, rounding)
 
 
 def _scaled(x: Tensor, scale: Tensor, block: list[int]) -> Tensor:
@@ -102,7 +98,7 @@ def _fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, 
 
 LOWERED = {
     fp8fx_ops.amax.default: _amax,
-    fp8fx_ops.amax_to_scale.default: _amax_to_scale,
+    fp8fx_ops.amax_to_scale.default: reference.amax_to_scale,  # scalar tensor ops already
     fp8fx_ops.cast.default: _cast,
     fp8fx_ops.scale_inverse.default: _scale_inverse,
     fp8fx_ops.saved_copy.default: _saved_copy,
@@ -115,16 +111,15 @@ LOWERED = {
 # tensor; scales are scalar work): (site, role) of the FP8 GEMM whose memory passes the kernels
 # they run in count towards (fp8fx.compiler.kernel_passes).
 CHARGED_TO = "fp8fx_charged_to"
-# Meta of the nodes an emulated GEMM becomes on CPU: their kernels (the operands' fp32 upcasts,
-# the scaling) stand for the GEMM a GPU runs, and are not FP8's passes.
-EMULATED_GEMM = "fp8fx_emulated_gemm"
 LOWERED_FROM = "fp8fx_lowered_from"  # meta of every node a lowered op becomes: the op's name
+# The ops whose lowered nodes are an emulated GEMM on CPU: their kernels (the operands' fp32
+# upcasts, the scaling) stand for the GEMM a GPU runs, and are not FP8's passes.
+EMULATED_GEMMS = (fp8fx_ops.scaled_mm.default.name(), fp8fx_ops.fp8_gemm.default.name())
 _ELEMENTWISE = (fp8fx_ops.amax.default, fp8fx_ops.cast.default, fp8fx_ops.saved_copy.default)
 
 
 def _lowering_meta(graph: fx.Graph) -> dict[fx.Node, dict]:
-    """The meta each lowered node's decomposition gets: `LOWERED_FROM`; `EMULATED_GEMM` for a GEMM;
-    for an amax, cast or saved copy, `CHARGED_TO` the first (in graph order) FP8 GEMM its value
+    """The meta each lowered node's decomposition gets: `LOWERED_FROM`; for an amax, cast or saved copy, `CHARGED_TO` the first (in graph order) FP8 GEMM its value
     reaches, or, for a saved copy, the GEMM whose output it copies."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     gemms = {n for n in fp8_gemm_nodes(graph) if annotation(n) is not None}
@@ -144,8 +139,6 @@ def _lowering_meta(graph: fx.Graph) -> dict[fx.Node, dict]:
     for node in graph.nodes:
         if node.target in LOWERED:  # (only the nodes lowered take it)
             charges.setdefault(node, {})[LOWERED_FROM] = node.target.name()
-        if node.target in (fp8fx_ops.scaled_mm.default, fp8fx_ops.fp8_gemm.default):
-            charges[node][EMULATED_GEMM] = True
     return charges
 
 
@@ -167,14 +160,6 @@ def operand_numels(gm: fx.GraphModule) -> list[int]:
     return [n for n in (c.args[0].meta["val"].numel() for c in casts) if isinstance(n, int)]
 
 
-def _k_contiguous(val: Tensor, side: int) -> bool:
-    """Whether a 2-D GEMM operand is laid out as the tensor cores read it: K-contiguous (the left
-    operand row-major, the right one column-major); a symbolic stride counts as not."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return statically_known_true((val.stride(-1) if side == 0 else val.stride(-2)) == 1)
-
-
 def lay_out_operands(gm: fx.GraphModule) -> dict[tuple[str, str], int]:
     """Give each 2-D FP8 GEMM operand that is cast in this graph but not K-contiguous a K-major copy
     made from the cast (before lowering, so that Inductor writes it from the cast's kernel, reading
@@ -190,7 +175,7 @@ def lay_out_operands(gm: fx.GraphModule) -> dict[tuple[str, str], int]:
         for side in (0, 1):
             operand = gemm.args[side]
             val = operand.meta["val"]
-            if val.dim() != 2 or _k_contiguous(val, side):
+            if val.dim() != 2 or k_contiguous(val, side):
                 continue
             if strip_layout(operand)[0].target is not fp8fx_ops.cast.default:
                 left += 2

@@ -19,14 +19,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fp8fx.codegen.dispatch import choose_kernel
 from fp8fx.codegen.variants import GemmVariant
 from fp8fx.core.epilogue import Epilogue, activation_of
 from fp8fx.core.formats import Fp8Format
 from fp8fx.passes.annotation import Fusion, annotate, annotation, update_fusion
-from fp8fx.passes.graph_utils import DTYPE_CASTS, PassContext, PassResult, add_node, fake_mode_of, strip_layout
+from fp8fx.passes.graph_utils import DTYPE_CASTS, PassContext, PassResult, add_node, fake_mode_of, k_contiguous, strip_layout
 
 aten = torch.ops.aten
 fp8fx_ops = torch.ops.fp8fx
@@ -305,8 +304,7 @@ def _count_memory_passes(graph: fx.Graph) -> None:
                 amax = _amax_of(cast)
                 added += amax is None or amax.target == fp8fx_ops.amax.default
             val = operand.meta["val"]
-            # A symbolic stride counts as a copy (a read and a write) unless it is provably 1 (and adds no guard).
-            copies += 2 * (not statically_known_true((val.stride(-1) if i == 0 else val.stride(-2)) == 1))
+            copies += 2 * (not k_contiguous(val, i))  # a copy: a read and a write
         ep = annotation(node).fusion.epilogue if annotation(node).fusion else None
         saved = ep.ops() + ep.out_amax if ep is not None else 0
         update_fusion(node, memory_passes=(added + copies, saved), transposed_copies=copies)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import operator
-
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,6 +156,15 @@ def add_node(graph: fx.Graph, fake_mode, target, args: tuple, kwargs: dict | Non
         if key in tag_from.meta:
             node.meta[key] = tag_from.meta[key]
     return node
+
+
+def k_contiguous(val: torch.Tensor, side: int) -> bool:
+    """Whether a 2-D GEMM operand is laid out as the tensor cores read it: K-contiguous (the left
+    operand, side 0, row-major; the right one column-major). A symbolic stride counts as not,
+    unless it is provably 1 (and adds no guard)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true((val.stride(-1) if side == 0 else val.stride(-2)) == 1)
 
 
 def decompose_nodes(graph: fx.Graph, decompositions: dict, also: dict | None = None, meta: dict | None = None) -> int:
