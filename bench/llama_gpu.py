@@ -3,7 +3,7 @@ torch.compile and torchao float8 (tensorwise, rowwise).
 
 Run: python bench/llama_gpu.py [--layers 2 --seq 4096 --batch 2] [--recipes tensorwise,rowwise]
      [--kernels auto,triton,scaled_mm] [--inner inductor|eager] [--variants bf16,fp8fx-rowwise-auto]
-     [--steps 10 --warmup 3] [--json out.json]
+     [--steps 10 --warmup 3] [--json out.json] [--save-code DIR]
      python bench/llama_gpu.py --device cpu --tiny --steps 2 --warmup 1 --inner eager   # smoke test
 
 The model is LlamaForCausalLM built from a LlamaConfig (no download), by default with Llama-3-8B's
@@ -16,7 +16,8 @@ own row. Per variant: per-step and final loss, the first step (compile included,
 median of the timed steps after the warm-up steps (CUDA events), the peak memory of the timed steps
 (torch.cuda.max_memory_allocated, reset after warm-up), fp8fx's report summary (GEMMs in FP8, fused
 epilogues, memory passes added / saved, kernels), the fp8fx ops Inductor's generated code calls
-(only GEMMs should be left; none on CPU), and the speedup and memory ratio to BF16 from the same run. BF16 and torchao use `torch.compile` with the same inner compiler as fp8fx ("inductor",
+(only GEMMs should be left; none on CPU), one more step under torch.profiler (kernels launched,
+host time, the kernels with the most GPU time), and the speedup and memory ratio to BF16 from the same run. BF16 and torchao use `torch.compile` with the same inner compiler as fp8fx ("inductor",
 or "aot_eager" for --inner eager). Recipes this GPU cannot run are rows marked skipped. Under
 torch.compile before torch 2.14, transformers hands SDPA an explicit causal mask (so no flash
 attention), in every variant alike.
@@ -232,12 +233,40 @@ def run_variant(name: str, args) -> dict:
         losses=losses, final_loss=losses[-1], first_step_s=first_s, step_ms=statistics.median(times), step_ms_all=times,
         peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else None,
     )  # fmt: skip
+    out["profile"] = profile_step(step, batches[-1], cuda)
+    if args.save_code:  # Inductor's generated code, forward and backward, for reading afterwards
+        os.makedirs(args.save_code, exist_ok=True)
+        with open(os.path.join(args.save_code, f"{name}.py"), "w") as f:
+            f.write("\n\n# ----- next graph -----\n\n".join(code))
     if parse_variant(name)[0] == "fp8fx":
         report = fp8fx.report(compiled)
         out.update(fp8fx_report=report.summary(), fp8fx_report_lines=report.summary_lines())
         if args.inner == "inductor":
             out["fp8fx_ops_called"] = fp8fx_ops_called(code)
     return out
+
+
+def profile_step(step, tokens: torch.Tensor, cuda: bool, top: int = 15) -> dict:
+    """One more step under torch.profiler: where its time goes. Kernels launched, the host's wall
+    time for the step (launch-bound when close to the device time), and the kernels (or, on CPU, the
+    ops) with the most self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step(tokens)
+        host_ms = 1000 * (time.perf_counter() - t0)
+        sync()
+    # On a GPU the entries with device self time are the kernels (and copies); the ops launching them have none.
+    self_ms = (lambda e: e.self_device_time_total / 1000) if cuda else (lambda e: e.self_cpu_time_total / 1000)
+    rows = sorted((e for e in prof.key_averages() if self_ms(e) > 0), key=lambda e: -self_ms(e))
+    return dict(
+        host_ms=host_ms, kernels=sum(e.count for e in rows) if cuda else None, busy_ms=sum(map(self_ms, rows)),
+        top=[dict(name=e.key[:120], ms=round(self_ms(e), 3), count=e.count) for e in rows[:top]],
+    )
 
 
 def fp8fx_ops_called(code: list[str]) -> dict[str, int]:
@@ -263,8 +292,8 @@ def child(args) -> None:
 
 def child_command(name: str, args, result: str) -> list[str]:
     """The child's command line: the resolved shapes and training options, never --tiny or --json."""
-    opts = [*SHAPES, "steps", "warmup", "inner", "device", "dtype", "optimizer", "lr", "seed"]
-    flags = [x for key in opts for x in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]
+    opts = [*SHAPES, "steps", "warmup", "inner", "device", "dtype", "optimizer", "lr", "seed", "save_code"]
+    flags = [x for key in opts if getattr(args, key) is not None for x in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]
     return [sys.executable, os.path.abspath(__file__), *flags, "--child", name, "--result", result]
 
 
@@ -331,6 +360,15 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def write_json(args, env: dict, rows: list[dict]) -> bool:
+    if not args.json:
+        return False
+    config = {k: v for k, v in vars(args).items() if k not in ("child", "result", "json")}
+    with open(args.json, "w") as f:
+        json.dump(dict(env=env, config=config, variants=rows), f, indent=2, default=str)
+    return True
+
+
 def parent(args) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("llama_gpu.py: no CUDA GPU found (torch.cuda.is_available() is False); use --device cpu --tiny", file=sys.stderr)
@@ -348,16 +386,14 @@ def parent(args) -> int:
         t0 = time.perf_counter()
         rows.append(dict(row, **launch(name, args), wall_s=time.perf_counter() - t0))
         print(f"{rows[-1]['status']} ({rows[-1]['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+        write_json(args, env, rows)  # after each variant: a run cut short keeps what it measured
     add_ratios(rows)
     where = f"{env['gpu']} (sm_{env['capability'].replace('.', '')})" if env["gpu"] else "CPU"
     print(f"Llama {args.layers} layers, hidden {args.hidden}, MLP {args.intermediate}, {args.heads} heads / {args.kv_heads} KV "
           f"x {args.head_dim}, vocab {args.vocab}, batch {args.batch} x seq {args.seq}, {args.dtype}, {args.optimizer}; "
           f"{args.warmup} warm-up + {args.steps} timed steps, inner={args.inner}; {where}, torch {env['torch']}\n")  # fmt: skip
     print(markdown(rows))
-    if args.json:
-        config = {k: v for k, v in vars(args).items() if k not in ("child", "result", "json")}
-        with open(args.json, "w") as f:
-            json.dump(dict(env=env, config=config, variants=rows), f, indent=2, default=str)
+    if write_json(args, env, rows):
         print(f"\nwrote {args.json}", file=sys.stderr)
     return 0 if all(r["status"] != "error" for r in rows) else 1
 
@@ -388,6 +424,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per variant process")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default $OUT/llama_gpu.json when OUT is set)")
+    ap.add_argument("--save-code", metavar="DIR", help="write each variant's Inductor output code to DIR/<variant>.py")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

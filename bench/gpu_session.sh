@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One GPU session's measurements in one command, everything written under $OUT (./gpu-out without it):
+# 1. bench/llama_gpu.py: BF16, torchao and fp8fx training steps of a Llama-3-8B-shaped model, each
+#    variant in its own process, with a profile of one step and Inductor's code (llama_code.tgz);
+# 2. fp8fx selftest --quick (kernels against the CPU reference, GEMM timings, the dispatch table),
+#    when SELFTEST_S > 0.
+# LLAMA_S and SELFTEST_S bound each stage in seconds; VARIANTS picks llama_gpu.py's variants.
+# torchao (not in every GPU image) is installed from wheels in .whl/ when that folder exists.
+set -u
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # fp8fx from this checkout
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee "$out/gpu.txt"
+variants=${VARIANTS:-bf16,fp8fx-tensorwise-auto,torchao-tensorwise,fp8fx-rowwise-auto,torchao-rowwise,fp8fx-tensorwise-scaled_mm}
+timeout "${LLAMA_S:-420}" python3 bench/llama_gpu.py --variants "$variants" --timeout 120 --save-code /tmp/llama_code \
+    --json "$out/llama_gpu.json" 2>&1 | tee "$out/llama_gpu.log"
+tar czf "$out/llama_code.tgz" -C /tmp llama_code
+if [ "${SELFTEST_S:-0}" -gt 0 ]; then
+    timeout "$SELFTEST_S" python3 -m fp8fx selftest --quick --out "$out/selftest.json" 2>&1 | tail -40 | tee "$out/selftest.log"
+fi
