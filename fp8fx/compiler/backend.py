@@ -481,7 +481,7 @@ def _inductor_compile_graph(gm: fx.GraphModule, example_inputs, *, kept_whole: d
     values moved to their first use, as with inner="eager": Inductor keeps its opaque ops (the FP8
     GEMMs) in graph order, so the partitioner's order made backward recompute every layer's values
     (and cast every weight again, weight_fp8="recompute") before its first GEMM. Then GEMM operands
-    cast here get the K-major layout the tensor cores read, and the amaxes, scales and casts become
+    get the K-major layout the tensor cores read, and the amaxes, scales and casts become
     ATen ops for Inductor to fuse (`fp8fx.compiler.lowering`), and the
     memory passes of the kernels it makes of them are counted into `passes`."""
     from torch._inductor.compile_fx import compile_fx_inner
@@ -489,9 +489,9 @@ def _inductor_compile_graph(gm: fx.GraphModule, example_inputs, *, kept_whole: d
     if kwargs.get("is_backward"):
         recompute_at_first_use(gm)
     numels = operand_numels(gm)
-    copies = lay_out_operands(gm)
+    laid_out = lay_out_operands(gm)
     if passes is not None:
-        passes.copies.update(copies)
+        passes.copies.update(dict.fromkeys(laid_out, 0))
     lower_elementwise(gm, kept_whole)
     if passes is None or not numels:
         return compile_fx_inner(gm, example_inputs, **kwargs)

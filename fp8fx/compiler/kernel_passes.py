@@ -101,7 +101,11 @@ if CustomSchedulerPass is not None:
             return count_after_fusion(kernels)
 
         def uuid(self) -> str:
-            return "fp8fx.compiler.kernel_passes"  # counting changes no generated code
+            # Counting changes no generated code, but the graphs Inductor compiles while it runs are
+            # fp8fx's lowering, whose meta (op tags, charges) the graph's code does not show.
+            from fp8fx.compiler.cache import source_digest
+
+            return f"fp8fx.compiler.kernel_passes/{source_digest()}"
 
     SCHEDULER_PASS = CountAfterFusion()
 else:

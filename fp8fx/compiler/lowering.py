@@ -28,7 +28,7 @@ from fp8fx.core import scaling
 from fp8fx.core.formats import FP8_DTYPES, fp8_format_of
 from fp8fx.ops import reference
 from fp8fx.passes.annotation import annotation, fp8_gemm_nodes
-from fp8fx.passes.graph_utils import add_node, decompose_nodes, fake_mode_of, k_contiguous, strip_layout
+from fp8fx.passes.graph_utils import add_node, decompose_nodes, fake_mode_of, k_contiguous
 
 fp8fx_ops = torch.ops.fp8fx
 aten = torch.ops.aten
@@ -160,39 +160,40 @@ def operand_numels(gm: fx.GraphModule) -> list[int]:
     return [n for n in (c.args[0].meta["val"].numel() for c in casts) if isinstance(n, int)]
 
 
-def lay_out_operands(gm: fx.GraphModule) -> dict[tuple[str, str], int]:
-    """Give each 2-D FP8 GEMM operand that is cast in this graph but not K-contiguous a K-major copy
-    made from the cast (before lowering, so that Inductor writes it from the cast's kernel, reading
-    the high-precision tensor once, rather than the GEMM copying the FP8 tensor: a read and a write
-    fewer). Returns, per GEMM (site, role), the memory passes of the copies its GPU launcher still
-    makes: 2 for each operand that is neither K-contiguous nor cast here (an FP8 tensor forward
-    saved for backward)."""
+def lay_out_operands(gm: fx.GraphModule) -> set[tuple[str, str]]:
+    """Give each 2-D FP8 GEMM operand that is not K-contiguous a K-major copy in the graph, one per
+    tensor and layout, before lowering; returns how many. Inductor writes a copy of a tensor cast
+    here from the cast's kernel (which reads the high-precision tensor once), and a copy of an FP8
+    tensor forward saved for backward in a tiled transpose kernel, which the GEMMs reading that
+    tensor share. The GPU launcher's own copy of a transposed FP8 tensor is a strided elementwise
+    kernel, several times slower than either. Each copy is charged to the first GEMM that reads it
+    (`CHARGED_TO`), so the kernel it runs in counts towards that GEMM's memory passes. Returns the
+    (site, role) of the GEMMs whose launchers are left no copy to make (every 2-D GEMM)."""
     fake_mode = fake_mode_of(gm.graph)
     laid: dict[tuple[fx.Node, int], fx.Node] = {}
-    copies = {}
+    gemms = set()
     for gemm in [n for n in fp8_gemm_nodes(gm.graph) if n.target is not fp8fx_ops.fp8_grouped_mm.default and annotation(n) is not None]:
-        left = 0
+        if all(x.meta["val"].dim() == 2 for x in gemm.args[:2]):
+            gemms.add((annotation(gemm).site, annotation(gemm).role))
         for side in (0, 1):
             operand = gemm.args[side]
             val = operand.meta["val"]
             if val.dim() != 2 or k_contiguous(val, side):
                 continue
-            if strip_layout(operand)[0].target is not fp8fx_ops.cast.default:
-                left += 2
-                continue
             if (operand, side) not in laid:
+                ann = annotation(gemm)
                 with gm.graph.inserting_before(gemm):
                     contiguous = {"memory_format": torch.contiguous_format}
                     if side == 0:
-                        laid[(operand, side)] = add_node(gm.graph, fake_mode, aten.clone.default, (operand,), contiguous, tag_from=gemm)
+                        copy = laid[(operand, side)] = add_node(gm.graph, fake_mode, aten.clone.default, (operand,), contiguous, tag_from=gemm)
                     else:  # column-major: the transpose's row-major copy, transposed back
                         t = add_node(gm.graph, fake_mode, aten.permute.default, (operand, [1, 0]), tag_from=gemm)
-                        t = add_node(gm.graph, fake_mode, aten.clone.default, (t,), contiguous, tag_from=gemm)
-                        laid[(operand, side)] = add_node(gm.graph, fake_mode, aten.permute.default, (t, [1, 0]), tag_from=gemm)
+                        copy = add_node(gm.graph, fake_mode, aten.clone.default, (t,), contiguous, tag_from=gemm)
+                        laid[(operand, side)] = add_node(gm.graph, fake_mode, aten.permute.default, (copy, [1, 0]), tag_from=gemm)
+                copy.meta[CHARGED_TO] = (ann.site, ann.role)
             args = list(gemm.args)
             args[side] = laid[(operand, side)]
             gemm.args = tuple(args)
-        ann = annotation(gemm)
-        copies[(ann.site, ann.role)] = left
     gm.recompile()
-    return copies
+    return gemms
+

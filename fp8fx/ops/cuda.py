@@ -27,10 +27,11 @@ from fp8fx.codegen.dispatch import grouped_launcher, interpreter_active, scaled_
 from fp8fx.codegen.variants import nvfp4_blocks
 from fp8fx.core import grouped
 from fp8fx.core.epilogue import Epilogue
-from fp8fx.core.formats import fp8_format_of
+from fp8fx.core.formats import FP8_DTYPES, fp8_format_of
 from fp8fx.ops import library, reference
 
 ALIGN = 16
+NO_EPILOGUE = Epilogue()
 
 
 def _pad_to(t: Tensor, dim: int, multiple: int, value: float = 0.0) -> Tensor:
@@ -180,6 +181,9 @@ def fp8_gemm_cuda(*args, gpu_kernel: str, fast_accum: bool):
     ep = Epilogue.parse(epilogue)
     if gpu_kernel in ("scaled_mm", "nvfp4"):  # cuBLASLt's (NVFP4: the FP4 kernel's) GEMM, then the epilogue as torch ops
         a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b = operands
+        if ep == NO_EPILOGUE and out_dtype not in FP8_DTYPES:  # cuBLAS writes the output: no fp32 product to convert
+            out = scaled_mm_2d(a, b, scale_inv_a, scale_inv_b, out_dtype, block_a, block_b, fast_accum=fast_accum)
+            return out, out.new_empty(0, dtype=aux_dtype), out.new_empty(0, dtype=torch.float32)
         y = scaled_mm_2d(a, b, scale_inv_a, scale_inv_b, torch.float32, block_a, block_b, fast_accum=fast_accum)
         return reference.fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_dtype, ep)
     return fp8_gemm_triton(*operands, ep, fast_accum)

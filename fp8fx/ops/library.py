@@ -27,16 +27,21 @@ from fp8fx.core.epilogue import Epilogue
 from fp8fx.core.scaling import scale_shape
 from fp8fx.ops import reference
 
+# Inductor leaves a custom op that a pass inserted free to take its inputs in any layout; the GEMMs
+# need theirs as their fake values say (a right operand column-major: K-contiguous), or their
+# launchers copy the FP8 tensors. This tag makes Inductor write the inputs in that stride order.
+GEMM_TAGS = (torch.Tag.needs_fixed_stride_order,)
+
 amax = custom_op("fp8fx::amax", reference.amax, mutates_args=())
 amax_to_scale = custom_op("fp8fx::amax_to_scale", reference.amax_to_scale, mutates_args=())
 cast = custom_op("fp8fx::cast", reference.cast, mutates_args=())
-scaled_mm = custom_op("fp8fx::scaled_mm", reference.scaled_mm, mutates_args=())
+scaled_mm = custom_op("fp8fx::scaled_mm", reference.scaled_mm, mutates_args=(), tags=GEMM_TAGS)
 delayed_scale_update = custom_op("fp8fx::delayed_scale_update", reference.delayed_scale_update, mutates_args=())
 grouped_amax = custom_op("fp8fx::grouped_amax", reference.grouped_amax, mutates_args=())
 grouped_cast = custom_op("fp8fx::grouped_cast", reference.grouped_cast, mutates_args=())
 pad_offsets = custom_op("fp8fx::pad_offsets", reference.pad_offsets, mutates_args=())
 pad_groups = custom_op("fp8fx::pad_groups", reference.pad_groups, mutates_args=())
-fp8_grouped_mm = custom_op("fp8fx::fp8_grouped_mm", reference.fp8_grouped_mm, mutates_args=())
+fp8_grouped_mm = custom_op("fp8fx::fp8_grouped_mm", reference.fp8_grouped_mm, mutates_args=(), tags=GEMM_TAGS)
 
 
 @custom_op("fp8fx::saved_copy", mutates_args=())
@@ -66,7 +71,7 @@ def _(scale: Tensor) -> Tensor:
     return torch.empty_like(scale)
 
 
-@custom_op("fp8fx::fp8_gemm", mutates_args=())
+@custom_op("fp8fx::fp8_gemm", mutates_args=(), tags=GEMM_TAGS)
 def fp8_gemm(
     a: Tensor,
     b: Tensor,

@@ -197,7 +197,7 @@ def decompose_nodes(graph: fx.Graph, decompositions: dict, also: dict | None = N
                 continue
             # The decomposition itself is traced (not the op, which functionalization would pass
             # through whole), functionalized: it may update its own temporaries in place.
-            sub = make_fx(functionalize(fn, remove="mutations_and_views"), decomposition_table=table)(
+            sub = make_fx(functionalize(fn, remove="mutations"), decomposition_table=table)(
                 *[a.meta["val"] for a in tensor_args]
             )
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]

@@ -9,6 +9,7 @@ import itertools
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from layouts import E4M3, E5M2, GEMM_CASES, LAYOUTS, OPERAND_LAYOUTS, cast_cases, check_layout, gemm_operands, laid_out
 
 from fp8fx.codegen import versions
@@ -141,3 +142,23 @@ def test_blockwise_scales_are_laid_out_as_cublas_takes_them(block_a, block_b, m,
         b = torch.empty(n, k, dtype=E4M3, device="meta").t()
         out = cuda.scaled_mm_2d(a, b, sa.to("meta"), sb.to("meta"), torch.float32, block_a, block_b)
         assert out.shape == (m, n) and out.dtype == torch.float32 and out.is_contiguous()
+
+
+# fp8_gemm's cuBLAS branch (CUDA only): run line for line on meta tensors, torch's meta kernel of
+# torch._scaled_mm standing in for cuBLASLt's; its outputs must be what the op's fake says.
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("epilogue,out_dtype", [("", torch.bfloat16), ("", torch.float32), ("residual", torch.bfloat16)])
+def test_fp8_gemm_scaled_mm_branch_matches_its_fake(recipe, epilogue, out_dtype):
+    m, n, k = 64, 48, 32
+    a = torch.empty(m, k, dtype=E4M3, device="meta")
+    b = torch.empty(n, k, dtype=E4M3, device="meta").t()
+    block_a, block_b = ([], []) if recipe == "tensorwise" else ([1, 0], [0, 1])
+    sa = torch.ones(reference.scale_shape((m, k), block_a), device="meta")
+    sb = torch.ones(reference.scale_shape((k, n), block_b), device="meta")
+    residual = torch.empty(m, n, dtype=torch.bfloat16, device="meta") if epilogue else None
+    args = (a, b, sa, sb, None, None, residual, None, out_dtype, torch.bfloat16, block_a, block_b, epilogue)
+    outs = cuda.fp8_gemm_cuda(*args, gpu_kernel="scaled_mm", fast_accum=False)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fakes = ops.fp8_gemm(*(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in args), gpu_kernel="scaled_mm", fast_accum=False)
+    for out, fake in zip(outs, fakes):
+        assert (out.shape, out.stride(), out.dtype) == (fake.shape, fake.stride(), fake.dtype)
