@@ -136,6 +136,7 @@ class _Fuser:
         self.graph = gm.graph
         self.fake_mode = fake_mode_of(self.graph)
         self.kernels = kernels
+        self.why: str | None = None  # why the last plan was refused, when plan says
         self.order = {}
         self._renumber()
 
@@ -183,6 +184,15 @@ class _Fuser:
             # 0.80x vs 0.64x of fp32 on a Llama). Those chains end before the aux value instead.
             if _is_backward(gemm) or _used_by_backward(final):
                 return None
+            # Nothing but widening casts after the aux value: the kernel would write the value twice,
+            # narrow and wide (bf16 logits and their fp32 copy: 6 bytes an element), and the wide
+            # copy outlives it (the lm_head's fp32 logits, saved for the loss's backward: +0.5 GiB at
+            # the peak of a Llama-3-8B-shaped step on an H100). Unfused, the consumer's kernel widens
+            # the value as it reads it.
+            after = steps[[node for _, node, _ in steps].index(aux_node) + 1 :] if aux_node is not gemm else steps
+            if all(kind in ("reshape", "cast") for kind, _, _ in after):
+                self.why = f"{steps[-1][1].name} ({steps[-1][1].target}) left to its consumer: it only widens a value kept for other users"
+                return None
             ep = replace(ep, aux=stage_of[aux_node])
         amax_users = [u for u in final.users if u.target == fp8fx_ops.amax.default and list(u.args[1]) == []]
         if amax_users:
@@ -203,10 +213,11 @@ class _Fuser:
             steps = chain.steps[:length]
             if steps and steps[-1][0] in ("reshape", "cast") and length != full:
                 continue
+            self.why = None
             planned = self.plan(gemm, steps)
             fused = self.place(gemm, *planned) if planned is not None else None
             if fused is None:
-                rejected = rejected or (
+                rejected = rejected or self.why or (
                     f"{steps[-1][1].name} ({steps[-1][1].target}) could not join: it needs a second value kept for "
                     "other users, or an input computed after the GEMM result is needed"
                     if steps else "the GEMM's N is dynamic: the fused kernel's 2-D views need it as a number"

@@ -203,3 +203,27 @@ def test_inductor_sees_whole_activations_and_fuses_them(table_cached_first, trai
     outside_fp8fx_ops = {target for target, from_fp8fx in lowered if not from_fp8fx}
     assert not whole & {target for target, _ in lowered} and bool(sigmoid & outside_fp8fx_ops) == training  # inference fuses both
     assert whole - {torch.ops.aten.gelu_backward.default} <= set(decomposition.select_decomp_table())
+
+
+@pytest.mark.parametrize("n_out", [64, 96])
+def test_a_widening_cast_after_a_kept_value_is_left_to_the_consumer(n_out):
+    """An lm_head whose bf16 logits are returned and widened to fp32 for the loss: fusing the cast
+    would write the logits twice (bf16 aux and fp32 output) and keep the fp32 copy alive (+0.5 GiB
+    at a Llama-3-8B step's peak on an H100). The GEMM writes bf16, the loss widens what it reads."""
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(64, n_out, bias=False).to(torch.bfloat16)
+
+    def head(h, y):
+        logits = proj(h)
+        return logits, torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    backend = fp8fx.backend(inner="eager", keep_graphs=True)
+    h = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, n_out, (2, 16))
+    logits, loss = torch.compile(head, backend=backend)(h, y)
+    loss.backward()
+    (op,) = [op for op in fp8fx.report(backend).ops if op.role == "output"]
+    assert "aux" not in op.epilogue and "only widens" in op.fusion
+    (gemm,) = [n for n in graphs(backend, "forward")[0].graph.nodes if n.target == FP8_GEMM]
+    assert gemm.args[8] == torch.bfloat16 and logits.dtype == torch.bfloat16
+    assert torch.isfinite(h.grad).all() and torch.isfinite(proj.weight.grad).all()
