@@ -1,7 +1,8 @@
 """What Inductor runs of fp8fx's FP8 work in a Llama training step, countable on any machine.
 
 Run: python bench/fusion_counts.py [--layers 1 --hidden 256 --intermediate 512 --seq 128 --batch 4]
-         [--recipes tensorwise,rowwise] [--device cpu|cuda] [--json OUT]
+         [--recipes tensorwise,rowwise] [--device cpu|cuda] [--kernels auto|triton|scaled_mm] [--json OUT]
+     TRITON_INTERPRET=1 python bench/fusion_counts.py --kernels triton   # the GEMMs a GPU runs, on CPU
 
 Per recipe, one training step compiled with `inner="inductor"` (caches off): the fp8fx ops
 Inductor's generated code calls, by name (targets: none but GEMMs on a GPU; none at all on CPU,
@@ -9,7 +10,10 @@ where Inductor compiles the emulated GEMMs too), and the memory passes FP8 adds 
 write of an operand-sized tensor), counted from the kernels Inductor made (the report's
 `memory_passes_added`) beside the same count for the ops run one by one (what the graph would
 cost with every amax, scale and cast a kernel of its own, as before Inductor compiled them); both
-include the operand copies the GPU GEMMs make of operands that are not K-contiguous.
+include the copies of GEMM operands that are not K-contiguous. On CPU a copy of a tensor that
+is not cast in the graph (an FP8 tensor forward saved for backward) fuses into the emulated GEMM
+reading it and costs nothing; under Triton's interpreter with `--kernels triton` the GEMMs stay
+whole, as on a GPU, and the copies are kernels of their own.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ def count(recipe: str, args) -> dict:
                       num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab, use_cache=False)  # fmt: skip
     model = LlamaForCausalLM(cfg).to(args.device)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device)
-    backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor")
+    backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor", kernels=args.kernels)
     compiled = torch.compile(model, backend=backend)
 
     def step():
@@ -61,6 +65,7 @@ def main() -> None:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--recipes", default="tensorwise,rowwise")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--kernels", default="auto", choices=["auto", "triton", "scaled_mm"])
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     torch._inductor.config.fx_graph_cache = False
