@@ -7,8 +7,8 @@ saved copy (`fp8fx.compiler.lowering`; a scale is scalar work) is charged, on th
 - each operand-sized tensor it reads only for FP8 work: an amax or cast that rides on the kernel
   producing or already reading its tensor reads nothing more, and costs nothing here.
 GEMMs are not counted: on a GPU they are not kernels Inductor generates, and on CPU the kernels of
-an emulated GEMM stand for one (the transposing copies a GEMM makes are counted by the passes,
-`fp8fx.passes.fuse_epilogues`).
+an emulated GEMM stand for one. The K-major copy of an operand that is not K-contiguous is a node
+of the graph charged to its GEMM (`fp8fx.compiler.lowering.lay_out_operands`), counted like a cast.
 
 Inductor calls `count_after_fusion` (its `_post_fusion_custom_pass`, in a form its FX graph cache
 can key) while `counting` is active. A graph served from that cache is not scheduled again: it

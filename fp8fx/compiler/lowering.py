@@ -162,7 +162,7 @@ def operand_numels(gm: fx.GraphModule) -> list[int]:
 
 def lay_out_operands(gm: fx.GraphModule) -> set[tuple[str, str]]:
     """Give each 2-D FP8 GEMM operand that is not K-contiguous a K-major copy in the graph, one per
-    tensor and layout, before lowering; returns how many. Inductor writes a copy of a tensor cast
+    tensor and layout, before lowering. Inductor writes a copy of a tensor cast
     here from the cast's kernel (which reads the high-precision tensor once), and a copy of an FP8
     tensor forward saved for backward in a tiled transpose kernel, which the GEMMs reading that
     tensor share. The GPU launcher's own copy of a transposed FP8 tensor is a strided elementwise
@@ -196,4 +196,3 @@ def lay_out_operands(gm: fx.GraphModule) -> set[tuple[str, str]]:
             gemm.args = tuple(args)
     gm.recompile()
     return gemms
-

@@ -9,8 +9,8 @@ import itertools
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from layouts import E4M3, E5M2, GEMM_CASES, LAYOUTS, OPERAND_LAYOUTS, cast_cases, check_layout, gemm_operands, laid_out
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fp8fx.codegen import versions
 from fp8fx.core import grouped
