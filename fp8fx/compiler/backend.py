@@ -491,7 +491,7 @@ def _inductor_compile_graph(gm: fx.GraphModule, example_inputs, *, kept_whole: d
     numels = operand_numels(gm)
     laid_out = lay_out_operands(gm)
     if passes is not None:
-        passes.copies.update(dict.fromkeys(laid_out, 0))
+        passes.laid_out |= laid_out
     lower_elementwise(gm, kept_whole)
     if passes is None or not numels:
         return compile_fx_inner(gm, example_inputs, **kwargs)

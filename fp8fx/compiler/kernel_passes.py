@@ -37,8 +37,9 @@ class KernelPasses:
         self.min_numel = 0  # the smallest operand-sized tensor of the graph being compiled
         self.graph = "forward"
         self.after_compile = None  # called after each graph counted (a backward compiles after the forward has run)
-        # Per GEMM (site, role): passes of the operand copies its launcher still makes (fp8fx.compiler.lowering.lay_out_operands).
-        self.copies: dict[tuple[str, str], int] = {}
+        # The GEMMs (site, role) whose operands the graph lays out, so that their launchers copy
+        # nothing (fp8fx.compiler.lowering.lay_out_operands).
+        self.laid_out: set[tuple[str, str]] = set()
 
     def counted(self, role: str) -> bool:
         """Whether the kernels of a GEMM of `role` (and of the casts it is charged) were counted."""

@@ -173,15 +173,15 @@ def lay_out_operands(gm: fx.GraphModule) -> set[tuple[str, str]]:
     laid: dict[tuple[fx.Node, int], fx.Node] = {}
     gemms = set()
     for gemm in [n for n in fp8_gemm_nodes(gm.graph) if n.target is not fp8fx_ops.fp8_grouped_mm.default and annotation(n) is not None]:
+        ann = annotation(gemm)
         if all(x.meta["val"].dim() == 2 for x in gemm.args[:2]):
-            gemms.add((annotation(gemm).site, annotation(gemm).role))
+            gemms.add((ann.site, ann.role))
         for side in (0, 1):
             operand = gemm.args[side]
             val = operand.meta["val"]
             if val.dim() != 2 or k_contiguous(val, side):
                 continue
             if (operand, side) not in laid:
-                ann = annotation(gemm)
                 with gm.graph.inserting_before(gemm):
                     contiguous = {"memory_format": torch.contiguous_format}
                     if side == 0:

@@ -163,7 +163,7 @@ class OpRecord:
         (`fp8fx.compiler.kernel_passes.KernelPasses`)."""
         if self.memory_passes_added is None or not passes.counted(self.role):
             return self
-        copies = passes.copies.get((self.site, self.role), self.transposed_copies)
+        copies = 0 if (self.site, self.role) in passes.laid_out else self.transposed_copies
         added = passes.passes[(self.site, self.role)] + (copies or 0)
         return replace(self, memory_passes_added=added, transposed_copies=copies, memory_passes_from="inductor")
 
