@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 
 import torch
+from llama_gpu import fp8fx_ops_called
 from torch._inductor.utils import run_and_get_code
 
 import fp8fx
@@ -44,13 +44,12 @@ def count(recipe: str, args) -> dict:
         compiled(input_ids=ids, labels=ids).loss.backward()
 
     _, code = run_and_get_code(step)
-    called = re.findall(r"torch\.ops\.fp8fx\.(\w+)\.default\(", "\n".join(code))
     report = fp8fx.report(backend)
     one_by_one = sum(op.memory_passes_added or 0 for g in backend.graphs for op in g.ops)  # the records before Inductor's count
     return {
         "recipe": recipe,
         "fp8_gemms": len(report.fp8_ops),
-        "fp8fx_ops_called": {name: called.count(name) for name in sorted(set(called))},
+        "fp8fx_ops_called": fp8fx_ops_called(code),
         "memory_passes_added": report.summary()["memory_passes_added"],
         "transposed_copies": sum(op.transposed_copies or 0 for op in report.fp8_ops),  # of those, the GEMMs' operand copies
         "counted_by": sorted({op.memory_passes_from for op in report.fp8_ops}),
