@@ -23,7 +23,8 @@ torch.compile before torch 2.14, transformers hands SDPA an explicit causal mask
 attention), in every variant alike.
 
 Variant names: bf16 (the baseline in --dtype, without FP8), torchao-tensorwise, torchao-rowwise,
-fp8fx-<recipe>-<kernels>.
+fp8fx-<recipe>-<kernels>, and fp8fx-<recipe>-<kernels>-recompute (backend option weight_fp8="recompute":
+backward casts the weights again instead of keeping their FP8 copies from forward).
 Output: a Markdown table on stdout, progress on stderr, JSON to --json (default $OUT/llama_gpu.json
 when OUT is set). Exit code 0 when every variant not skipped ran, 1 otherwise, 2 without a CUDA GPU.
 On CPU (--device cpu) FP8 is emulated (torchao with emulate=True), steps are timed with
@@ -72,17 +73,17 @@ TINY = dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim
 
 
 def parse_variant(name: str) -> tuple[str, str | None, str | None]:
-    """(kind, recipe, kernels) of a variant name: bf16 | torchao-<recipe> | fp8fx-<recipe>-<kernels>."""
+    """(kind, recipe, kernels) of a variant name: bf16 | torchao-<recipe> | fp8fx-<recipe>-<kernels>[-recompute]."""
     parts = name.split("-")
     if parts == ["bf16"]:
         return "bf16", None, None
     if len(parts) == 2 and parts[0] == "torchao" and parts[1] in TORCHAO_RECIPES:
         return "torchao", parts[1], None
-    if len(parts) == 3 and parts[0] == "fp8fx" and parts[1] in RECIPES and parts[2] in ("auto", "triton", "scaled_mm"):
+    if parts[3:] in ([], ["recompute"]) and parts[0] == "fp8fx" and parts[1] in RECIPES and parts[2] in ("auto", "triton", "scaled_mm"):
         return "fp8fx", parts[1], parts[2]
     raise ValueError(
         f"unknown variant {name!r}: bf16, torchao-{{{','.join(TORCHAO_RECIPES)}}} or "
-        f"fp8fx-<recipe>-<auto|triton|scaled_mm> with a recipe of {', '.join(RECIPES)}"
+        f"fp8fx-<recipe>-<auto|triton|scaled_mm>[-recompute] with a recipe of {', '.join(RECIPES)}"
     )
 
 
@@ -159,7 +160,8 @@ def compile_variant(model: torch.nn.Module, name: str, args):
     """The compiled model of a variant; torchao converts the model's Linears in place first."""
     kind, recipe, kernels = parse_variant(name)
     if kind == "fp8fx":
-        backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner=args.inner, kernels=kernels)
+        weight_fp8 = "recompute" if name.endswith("-recompute") else "keep"
+        backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner=args.inner, kernels=kernels, weight_fp8=weight_fp8)
         return torch.compile(fp8fx.prepare(model), backend=backend)  # prepare: delayed recipes keep state there
     if kind == "torchao":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training

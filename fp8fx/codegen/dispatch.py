@@ -5,6 +5,10 @@ and its reason. Until a GPU has measured fp8fx's kernels, `kernels="auto"` canno
 design: a GEMM whose fused epilogue saves no memory pass runs `torch._scaled_mm`, and the generated
 kernel runs only where fusion saves passes. A measured table (written by `fp8fx selftest` on the
 GPU, one JSON file per device) overrides that from the nearest measured shape of the same variant.
+
+Under Inductor, which fuses elementwise code into its own kernels, an epilogue costs almost nothing
+outside the GEMM: `epilogue_to_inductor` leaves it there unless the table shows the generated
+kernel with the epilogue beating cuBLAS's bare GEMM.
 Without Triton every GEMM runs `torch._scaled_mm`; `scaled_mm_supports` says what PyTorch's
 scaled-mm kernels can run at all. This module imports no Triton.
 """
@@ -16,11 +20,13 @@ import json
 import math
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from fp8fx.codegen.variants import CONFIGS, DEFAULT_FAMILY, GemmVariant
+from fp8fx.core.epilogue import PLAIN
 
 TABLE_FORMAT = 1
 
@@ -112,17 +118,23 @@ def _device_table(device_index: int) -> tuple[list[dict], str]:
     return (load_table(path), str(path)) if path.exists() else ([], "")
 
 
-def measured_choice(table: list[dict], variant: GemmVariant, shape: tuple) -> tuple[str, str] | None:
-    """The kernel the measurements favour for `variant` at (m, n, k), from the measured shape of the
-    same variant nearest in log-distance; None without one. A dynamic M (None) matches on N and K."""
-    same = [e for e in table if e["variant"] == variant.name]
-    if not same:
-        return None
+def _nearest(table: list[dict], name: str, shape: tuple) -> dict | None:
+    """The measured entry of variant `name` nearest to (m, n, k) in log-distance; None without one.
+    A dynamic M (None) matches on N and K."""
+    same = [e for e in table if e["variant"] == name]
 
     def distance(e):
         return sum(abs(math.log2(e[d] / v)) for d, v in zip("mnk", shape) if isinstance(v, int) and v > 0)
 
-    e = min(same, key=distance)
+    return min(same, key=distance) if same else None
+
+
+def measured_choice(table: list[dict], variant: GemmVariant, shape: tuple) -> tuple[str, str] | None:
+    """The kernel the measurements favour for `variant` at (m, n, k), from the measured shape of the
+    same variant nearest in log-distance; None without one."""
+    e = _nearest(table, variant.name, shape)
+    if e is None:
+        return None
     where = f"measured at {e['m']}x{e['n']}x{e['k']}: generated {e['generated_ms']:.3g} ms, torch._scaled_mm {e['scaled_mm_ms']:.3g} ms"
     return ("triton", where) if e["generated_ms"] <= e["scaled_mm_ms"] else ("scaled_mm", where)
 
@@ -150,6 +162,59 @@ def choose_kernel(kernels: str, variant: GemmVariant, shape: tuple, device: torc
     if saved == 0:
         return "scaled_mm", "no epilogue to fuse: cuBLAS's GEMM until a measurement favours the generated kernel"
     return "triton", f"fused epilogue saves {saved} memory pass{'es' if saved > 1 else ''}"
+
+
+# Why Inductor gets the epilogue when no table says otherwise: on an H100 (docs/results.md, second
+# run), the 12 GEMMs of a Llama-3-8B-shaped step that the generated kernel ran with fused
+# epilogues took 8.0 ms, where cuBLAS ran the same GEMMs in about 5.1 ms and Inductor fused their
+# epilogues into the next cast's kernel; the H200 selftest table has no shape where the fused
+# kernel beats cuBLAS's bare GEMM.
+UNMEASURED_TO_INDUCTOR = (
+    "Inductor fuses the epilogue into its next kernel, and cuBLAS's bare GEMM measured faster than the generated kernel "
+    "with the epilogue (H100 and H200) until this GPU's table says otherwise"
+)
+
+
+def bare_variant(variant: GemmVariant) -> GemmVariant:
+    """`variant` without its epilogue: the GEMM alone, writing the high-precision result (an FP8
+    output is the epilogue's cast)."""
+    wide = variant.aux_dtype if variant.out_dtype.itemsize == 1 else variant.out_dtype
+    return replace(variant, epilogue=PLAIN, out_dtype=wide, aux_dtype=wide)
+
+
+def epilogue_to_inductor(kernels: str, variant: GemmVariant, shape: tuple, device: torch.device) -> str:
+    """Why a graph that Inductor compiles should run `variant`'s epilogue (bias, activation, product,
+    residual, amax, FP8 output) as its own code after a bare GEMM, rather than in the generated
+    kernel ("" when the kernel should fuse it)."""
+    if bare_variant(variant) == variant or kernels == "triton":
+        return ""
+    if scaled_mm_supports(variant):
+        return ""  # only the generated kernel runs this GEMM: the epilogue rides on it
+    if kernels == "scaled_mm":
+        return "backend option kernels='scaled_mm': cuBLAS's bare GEMM, the epilogue fused by Inductor"
+    if not triton_available():
+        return "Triton is not installed: cuBLAS's bare GEMM, the epilogue fused by Inductor"
+    if device.type == "cuda":
+        table, path = _device_table(device.index if device.index is not None else torch.cuda.current_device())
+        measured = measured_fusion(table, variant, shape)
+        if measured is not None:
+            fuse, where = measured
+            return "" if fuse else f"Inductor fuses the epilogue: {where} ({path})"
+    return UNMEASURED_TO_INDUCTOR
+
+
+def measured_fusion(table: list[dict], variant: GemmVariant, shape: tuple) -> tuple[bool, str] | None:
+    """Whether the measurements favour the generated kernel with `variant`'s epilogue over cuBLAS's
+    bare GEMM (the same variant without epilogue, run by `torch._scaled_mm`), each at its measured
+    shape nearest to (m, n, k); None without both."""
+    fused, plain = _nearest(table, variant.name, shape), _nearest(table, bare_variant(variant).name, shape)
+    if fused is None or plain is None:
+        return None
+    where = (
+        f"generated kernel with the epilogue {fused['generated_ms']:.3g} ms at {fused['m']}x{fused['n']}x{fused['k']}, "
+        f"cuBLAS's bare GEMM {plain['scaled_mm_ms']:.3g} ms at {plain['m']}x{plain['n']}x{plain['k']}"
+    )
+    return fused["generated_ms"] <= plain["scaled_mm_ms"], where
 
 
 def grouped_launcher():

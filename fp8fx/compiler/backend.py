@@ -186,6 +186,8 @@ class Fp8fxBackend:
                 "cast the weight with the scale updated after forward"
             )
         self.inner = inner
+        # Plan epilogues for Inductor (fp8fx.analyze traces eagerly but plans what a compile does).
+        self.epilogues_to_inductor = inner == "inductor"
         self.graphs: list[GraphRecord] = []
         # With inner="eager" and keep_graphs, the rewritten graphs as they run, for inspection:
         # ("forward" | "backward" | "inference", GraphModule).
@@ -374,7 +376,7 @@ class Fp8fxBackend:
             handle = [n for n in gm.graph.nodes if n.op == "placeholder" and not str(n.target).startswith("tangents")][-1]
             delayed = DelayedInputs(handle, _amax_group_name(state))
         ctx = PassContext(self.policy, self.fuse_epilogues, self.kernels, dict(self.overrides), param_inputs, taps, delayed, self.saved_outputs,
-                          self.weight_fp8)  # fmt: skip
+                          self.weight_fp8, self.epilogues_to_inductor)  # fmt: skip
         gm = run_passes(gm, ctx, REWRITE_PASSES)
         index = len(self.graphs)
         ops = [OpRecord.make(index, kind, ann) for ann in annotations(gm.graph)]

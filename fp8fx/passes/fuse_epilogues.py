@@ -20,9 +20,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import fx
 
-from fp8fx.codegen.dispatch import choose_kernel
+from fp8fx.codegen.dispatch import choose_kernel, epilogue_to_inductor
 from fp8fx.codegen.variants import GemmVariant
-from fp8fx.core.epilogue import Epilogue, activation_of
+from fp8fx.core.epilogue import PLAIN, Epilogue, activation_of
 from fp8fx.core.formats import Fp8Format
 from fp8fx.passes.annotation import Fusion, annotate, annotation, update_fusion
 from fp8fx.passes.graph_utils import DTYPE_CASTS, PassContext, PassResult, add_node, fake_mode_of, k_contiguous, strip_layout
@@ -132,11 +132,13 @@ def _walk(gemm: fx.Node) -> _Chain:
 
 
 class _Fuser:
-    def __init__(self, gm: fx.GraphModule, kernels: str):
+    def __init__(self, gm: fx.GraphModule, kernels: str, inductor: bool):
         self.graph = gm.graph
         self.fake_mode = fake_mode_of(self.graph)
         self.kernels = kernels
-        self.why: str | None = None  # why the last plan was refused, when plan says
+        self.inductor = inductor  # Inductor compiles the graph: it may run the epilogue better
+        self.why: str | None = None  # why the last plan was refused, when plan or place says
+        self.to_inductor = False  # the last refusal: the epilogue is left to Inductor
         self.order = {}
         self._renumber()
 
@@ -213,9 +215,12 @@ class _Fuser:
             steps = chain.steps[:length]
             if steps and steps[-1][0] in ("reshape", "cast") and length != full:
                 continue
-            self.why = None
+            self.why, self.to_inductor = None, False
             planned = self.plan(gemm, steps)
             fused = self.place(gemm, *planned) if planned is not None else None
+            if fused is None and self.to_inductor:
+                self.place_bare(gemm, stop=f"left to Inductor: {self.why}")
+                return
             if fused is None:
                 rejected = rejected or self.why or (
                     f"{steps[-1][1].name} ({steps[-1][1].target}) could not join: it needs a second value kept for "
@@ -258,6 +263,11 @@ class _Fuser:
         variant = GemmVariant(a.meta["val"].dtype, b.meta["val"].dtype, tuple(block_a), tuple(block_b), ep, out_val.dtype, aux_dtype, fast_accum)
         k = a.meta["val"].shape[-1]
         shape = tuple(d if isinstance(d, int) else None for d in (m, n, k))
+        if self.inductor and not _nvfp4(gemm):
+            self.why = epilogue_to_inductor(self.kernels, variant, shape, out_val.device)
+            if self.why:
+                self.to_inductor = True
+                return None
         kernel, kernel_reason = choose_kernel(self.kernels, variant, shape, out_val.device)
         if _nvfp4(gemm):
             kernel, kernel_reason = NVFP4_KERNEL
@@ -293,6 +303,24 @@ class _Fuser:
             self.graph.erase_node(gemm)
         self._renumber()
         return fused
+
+    def place_bare(self, gemm: fx.Node, stop: str) -> None:
+        """`gemm` alone as an `fp8_gemm` node, its epilogue, amax and FP8 cast left in the graph; a
+        bias the GEMM carries becomes an add after it (of the output's dtype: else it stays in)."""
+        bias = gemm.args[4]
+        split_bias = bias is not None and bias.meta["val"].dtype == gemm.meta["val"].dtype
+        inputs = dict(bias=None if split_bias else bias, other=None, residual=None, fp8_cast=None)
+        fused = self.place(gemm, replace(PLAIN, bias=not split_bias and bias is not None), inputs, gemm, None, [], [])
+        if fused is None:
+            update_fusion(gemm, stop=stop)
+            return
+        if split_bias:
+            out = next(u for u in fused.users if u.args[1] == 0)
+            with self.graph.inserting_after(out):
+                biased = self.add(aten.add.Tensor, (out, bias), tag_from=fused)
+            out.replace_all_uses_with(biased, delete_user_cb=lambda user: user is not biased)
+            self._renumber()
+        update_fusion(fused, stop=stop)
 
 
 def _count_memory_passes(graph: fx.Graph) -> None:
@@ -351,7 +379,7 @@ def fuse_epilogues(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             update_fusion(n, kernel=kernel, kernel_reason=kernel_reason, stop=stop)
     if not ctx.fuse_epilogues or not gemms:
         return PassResult(gm, modified=False)
-    fuser = _Fuser(gm, ctx.kernels)
+    fuser = _Fuser(gm, ctx.kernels, ctx.epilogues_to_inductor)
     for gemm in gemms:
         fuser.fuse(gemm)
     gm.graph.eliminate_dead_code()

@@ -86,6 +86,9 @@ class PassContext:
     # What backward reads of a weight: its FP8 copy saved from forward ("keep") or the weight cast
     # again in backward ("recompute": the cast chain is tagged for min-cut to recompute).
     weight_fp8: str = "keep"
+    # Whether Inductor compiles the rewritten graph: epilogues it fuses better stay out of the GEMMs
+    # (fp8fx.codegen.dispatch.epilogue_to_inductor).
+    epilogues_to_inductor: bool = False
     # Handed on: the sites find_matmuls found, the GEMM nodes lower_patch_convs made (node -> the
     # op kind it was lowered from), and the delayed states insert_casts used (key -> history length).
     sites: list = field(default_factory=list)

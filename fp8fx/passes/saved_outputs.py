@@ -74,17 +74,16 @@ def saved_outputs(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 wide[value] = add_node(graph, fake_mode, _CONVERT, (low, torch.float32), tag_from=value)
     if not wide:
         return PassResult(gm, modified=False)
-    # Forward elementwise functions of those outputs that backward reads (a gated MLP's SiLU and
-    # product) are recomputed for backward from the widened copies, so that nothing fp32 of the
-    # chain stays alive: backward reads replicas of them.
+    # Forward elementwise functions of those outputs and reshapes of them that backward reads (a
+    # gated MLP's SiLU and product, a bias add Inductor fuses, GELU's input) are recomputed for
+    # backward from the widened copies, so that nothing fp32 of the chain stays alive: backward
+    # reads replicas of them (those it does not read are erased below).
     for node in list(graph.nodes):
-        if node in wide or _is_backward(node) or not _pointwise(node):
+        if node in wide or _is_backward(node) or not (_pointwise(node) or node.target in RESHAPES):
             continue
         inputs = node.all_input_nodes
         size = node.meta["val"].numel() if isinstance(node.meta.get("val"), torch.Tensor) else 0
         if not any(a in wide for a in inputs) or not all(a in wide or _small_or_kept(a, size) for a in inputs):
-            continue
-        if not any(_is_backward(u) for u in node.users):
             continue
         with graph.inserting_after(node):
             replica = graph.node_copy(node, lambda a: wide.get(a, a))
@@ -97,8 +96,8 @@ def saved_outputs(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 modified = True
     for value, replacement in reversed(list(wide.items())):  # copies no backward reads go, replicas first
         if not replacement.users:
-            graph.erase_node(replacement)
             low = replacement.args[0] if replacement.target == _CONVERT else None
+            graph.erase_node(replacement)  # (which clears its args)
             if low is not None and not low.users:
                 graph.erase_node(low)
     graph.lint()

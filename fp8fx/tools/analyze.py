@@ -292,6 +292,7 @@ def failing_module(model: nn.Module, inputs: tuple) -> str | None:
 
 def _compile_and_run(model, batches, policy, train, loss_fn, collector, progress, stage) -> Report:
     backend = make_backend(policy=policy, inner="eager")
+    backend.epilogues_to_inductor = True  # report what the default (Inductor) compile runs
     backend.numerics = collector
     compiled = torch.compile(model, backend=backend)
     try:

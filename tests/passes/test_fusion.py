@@ -9,6 +9,7 @@ import torch
 from helpers import FP8_GEMM, GRAD_SQNR_DB, OUTPUT_SQNR_DB, SCALED_MM, GatedBlock, count, sqnr, tiny_gpt2, tiny_llama
 
 import fp8fx
+from fp8fx.codegen import dispatch
 from fp8fx.compiler.lowering import LOWERED_FROM
 
 aten = torch.ops.aten
@@ -176,7 +177,7 @@ def test_inductor_sees_whole_activations_and_fuses_them(table_cached_first, trai
     monkeypatch.setattr(compile_fx, "compile_fx_inner", recording)
     torch.manual_seed(0)
     model = GatedBlock()
-    backend = fp8fx.backend(inner="inductor")
+    backend = fp8fx.backend(inner="inductor", kernels="triton")  # (auto leaves epilogues to Inductor: the next test)
     x = torch.randn(2, 16, 64, requires_grad=training)
     with (
         torch._functorch.config.patch(enable_autograd_cache=False),
@@ -203,6 +204,51 @@ def test_inductor_sees_whole_activations_and_fuses_them(table_cached_first, trai
     outside_fp8fx_ops = {target for target, from_fp8fx in lowered if not from_fp8fx}
     assert not whole & {target for target, _ in lowered} and bool(sigmoid & outside_fp8fx_ops) == training  # inference fuses both
     assert whole - {torch.ops.aten.gelu_backward.default} <= set(decomposition.select_decomp_table())
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("kernels", ["auto", "scaled_mm"])
+def test_under_inductor_auto_leaves_epilogues_to_inductor(kernels, training, monkeypatch):
+    """Without a measured table saying the generated kernel with its epilogue beats cuBLAS's bare
+    GEMM, a graph Inductor compiles runs bare GEMMs and Inductor fuses bias, activation, product,
+    residual, amax and cast into its own kernels; a bias of the output's dtype becomes an add."""
+    from fp8fx.compiler import backend as backend_module
+
+    gemms = []  # per graph as the passes leave it (Inductor then lowers fp8fx's ops for the CPU): (GEMM's bias, its users)
+    run_passes = backend_module.run_passes
+
+    def recording(gm, ctx, passes):
+        gm = run_passes(gm, ctx, passes)
+        found = [n for n in gm.graph.nodes if n.target == torch.ops.fp8fx.fp8_gemm.default]
+        gemms.append([(g.args[4], [u.target for out in g.users for u in out.users]) for g in found])
+        assert not [n for n in gm.graph.nodes if n.op == "call_function" and not n.users and not n.is_impure()]  # nothing dead
+        return gm
+
+    monkeypatch.setattr(backend_module, "run_passes", recording)
+    torch.manual_seed(0)
+    model = GatedBlock()
+    backend = fp8fx.backend(inner="inductor", kernels=kernels)
+    x = torch.randn(2, 16, 64, requires_grad=training)
+    with (
+        torch._functorch.config.patch(enable_autograd_cache=False),
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch.set_grad_enabled(training),
+    ):
+        out = torch.compile(model, backend=backend)(x)
+        if training:
+            out.square().sum().backward()
+    ops = fp8fx.report(backend).ops
+    assert ops and all(op.epilogue == "" and op.gpu_kernel == "scaled_mm" for op in ops)
+    outputs = [op for op in ops if op.role == "output"]
+    assert {op.site for op in outputs} == {"fc", "gate", "up", "down"}
+    expected = dispatch.UNMEASURED_TO_INDUCTOR if kernels == "auto" else "backend option kernels='scaled_mm'"
+    left = {op.site for op in outputs if op.fusion.startswith("left to Inductor: ") and expected in op.fusion}
+    # (training: gate's SiLU is kept for backward, so its chain stops before the product, and says so)
+    assert left == ({"fc", "up", "down"} if training else {"fc", "gate", "up", "down"}), [op.fusion for op in outputs]
+    forward = gemms[0]  # fc's bias, split out, is an add after its GEMM
+    assert len(forward) == (12 if training else 4) and all(bias is None for bias, _ in forward)  # (the joint graph: 12)
+    assert torch.ops.aten.add.Tensor in forward[0][1]  # fc, first in the graph
+    assert sqnr(out.detach(), model(x).detach()) >= OUTPUT_SQNR_DB
 
 
 @pytest.mark.parametrize("n_out", [64, 96])

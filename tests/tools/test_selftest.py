@@ -196,6 +196,31 @@ def test_dispatch_table_round_trips_and_decides(uses, tmp_path, monkeypatch):
     assert kernel(fused.variant, (1024, 1024, 1024)) is None  # not measured: the default rule decides
 
 
+def test_fused_epilogue_against_cublas_bare_gemm(uses, monkeypatch):
+    """Under Inductor the generated kernel keeps an epilogue only where it measured faster than
+    cuBLAS's bare GEMM (the variant without epilogue): fused and bare at their nearest shapes."""
+    (_, plain), (_, fused) = selftest.speed_uses(uses)
+    bare = dispatch.bare_variant(fused.variant)
+    assert bare.epilogue == dispatch.PLAIN and bare.out_dtype.itemsize > 1 and dispatch.bare_variant(bare) == bare
+
+    def row(name, m, generated, scaled):
+        return dict(variant=name, m=m, n=m, k=m, generated_ms=generated, scaled_mm_ms=scaled)
+
+    table = [row(fused.name, 1024, 0.5, 0.9), row(fused.name, 8192, 3.0, 3.5), row(bare.name, 1024, 0.7, 0.4), row(bare.name, 8192, 9.9, 3.2)]
+    fuse, where = dispatch.measured_fusion(table, fused.variant, (1000, 1024, 1024))
+    assert not fuse and where == "generated kernel with the epilogue 0.5 ms at 1024x1024x1024, cuBLAS's bare GEMM 0.4 ms at 1024x1024x1024"
+    assert dispatch.measured_fusion(table, fused.variant, (8192, 8192, 8192))[0]  # 3.0 ms against 3.2
+    assert dispatch.measured_fusion(table[:2], fused.variant, (8192, 8192, 8192)) is None  # the bare GEMM not measured
+    cpu = torch.device("cpu")
+    shape = (64, 64, 64)
+    assert dispatch.epilogue_to_inductor("auto", bare, shape, cpu) == ""  # nothing to leave
+    assert dispatch.epilogue_to_inductor("triton", fused.variant, shape, cpu) == ""
+    assert dispatch.epilogue_to_inductor("auto", fused.variant, shape, cpu) == dispatch.UNMEASURED_TO_INDUCTOR
+    assert "kernels='scaled_mm'" in dispatch.epilogue_to_inductor("scaled_mm", fused.variant, shape, cpu)
+    monkeypatch.setattr(dispatch, "triton_available", lambda: False)
+    assert dispatch.epilogue_to_inductor("auto", fused.variant, shape, cpu).startswith("Triton is not installed")
+
+
 def test_report_json(uses, tmp_path):
     status = selftest.GpuStatus(None, "no CUDA GPU found", "cpu")
     ok = [dict(kind="gemm", where="gpu", passed=True, out=dict(passed=True, sqnr_db=55.0)), dict(kind="step", where="gpu", passed=True, min_sqnr_db=float("inf"))]
