@@ -5,12 +5,12 @@ and its reason. Until a GPU has measured fp8fx's kernels, `kernels="auto"` canno
 design: a GEMM whose fused epilogue saves no memory pass runs `torch._scaled_mm`, and the generated
 kernel runs only where fusion saves passes. A measured table (written by `fp8fx selftest` on the
 GPU, one JSON file per device) overrides that from the nearest measured shape of the same variant.
+Without Triton every GEMM runs `torch._scaled_mm`; `scaled_mm_supports` says what PyTorch's
+scaled-mm kernels can run at all.
 
 Under Inductor, which fuses elementwise code into its own kernels, an epilogue costs almost nothing
 outside the GEMM: `epilogue_to_inductor` leaves it there unless the table shows the generated
-kernel with the epilogue beating cuBLAS's bare GEMM.
-Without Triton every GEMM runs `torch._scaled_mm`; `scaled_mm_supports` says what PyTorch's
-scaled-mm kernels can run at all. This module imports no Triton.
+kernel with the epilogue beating cuBLAS's bare GEMM. This module imports no Triton.
 """
 
 from __future__ import annotations
