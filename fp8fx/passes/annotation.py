@@ -102,11 +102,12 @@ class GemmAnnotation:
     n: Dim
     k: Dim
     batch: Dim
-    flops: int  # 0 when a dimension is not a number
+    flops: int  # from the shape hints where a dimension is symbolic; 0 when one is unknown
     decision: Decision
     state_keys: tuple[str | None, str | None] | None = None  # delayed scaling: the operands' states
     fusion: Fusion | None = None
     groups: Dim = None  # a grouped GEMM's number of groups (None: not grouped)
+    flops_hinted: bool = False  # flops counts the compile's hint of a symbolic dimension
 
     @property
     def fp8(self) -> bool:

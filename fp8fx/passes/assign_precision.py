@@ -142,7 +142,9 @@ def _opaque_reason(site: MatmulSite, gemm: Gemm) -> str:
     if not is_opaque(node):  # a plain GEMM in the backward of an opaque op
         return f"backward GEMM of {site.op}, which fp8fx does not rewrite; kept in the model's precision"
     inside = "fp8fx cannot rewrite inside it" if custom_op_name(node) else "fp8fx does not rewrite it"
-    if not gemm.flops_known:
+    if gemm.flops_hinted:
+        flops = "; FLOPs from the compile's shape hints (dynamic shape)"
+    elif not gemm.flops_known:
         flops = "; FLOPs unknown" if gemm.m is None else "; FLOPs unknown (dynamic shape)"
     else:
         flops = "; FLOPs count every row as routed (its offsets are data-dependent)" if grouped(node) else ""
@@ -278,5 +280,6 @@ def assign_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for index, (site, gemm) in enumerate(gemms):
         decision = decide(site, gemm, ctx)
         annotate(gemm.node, GemmAnnotation(index, site.name, site.fqn, site.op, gemm.role, site.source,
-                                           gemm.m, gemm.n, gemm.k, gemm.batch, gemm.flops, decision, groups=gemm.groups))  # fmt: skip
+                                           gemm.m, gemm.n, gemm.k, gemm.batch, gemm.flops, decision, groups=gemm.groups,
+                                           flops_hinted=gemm.flops_hinted))  # fmt: skip
     return PassResult(gm, modified=False)

@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from fp8fx.passes.annotation import GemmAnnotation
 
-SCHEMA = "fp8fx.report/3"  # version of the to_dict()/JSON layout; bumped when a field changes meaning
+SCHEMA = "fp8fx.report/4"  # version of the to_dict()/JSON layout; bumped when a field changes meaning
 
 
 def has_values(t: torch.Tensor) -> bool:
@@ -41,7 +41,7 @@ class OpRecord:
     n: int | str
     k: int | str
     batch: int | str
-    flops: int  # 0 when a dimension is dynamic or unknown (flops_known)
+    flops: int  # from the compile's shape hints where a dimension is dynamic; 0 when one is unknown (flops_known)
     precision: str  # fp8 | high
     reason_kind: str
     reason: str
@@ -93,6 +93,7 @@ class OpRecord:
     # history and counted nowhere.
     compile_id: str | None = None
     groups: int | str | None = None  # a grouped GEMM's number of groups (op grouped_mm)
+    flops_hinted: bool = False  # a dimension is dynamic, and flops counts the size the graph was compiled for
     graph_state: str = "in_use"
     superseded_by: str | None = None
     recompile_reason: str | None = None
@@ -103,7 +104,7 @@ class OpRecord:
 
     @property
     def flops_known(self) -> bool:
-        return all(isinstance(d, int) for d in (self.m, self.n, self.k, self.batch))
+        return self.flops_hinted or all(isinstance(d, int) for d in (self.m, self.n, self.k, self.batch))
 
     @property
     def slower(self) -> bool:
@@ -156,6 +157,7 @@ class OpRecord:
             transposed_copies=fusion.transposed_copies if fusion and fusion.memory_passes else None,
             memory_passes_from="ops" if fusion and fusion.memory_passes else None,
             groups=_dim(ann.groups) if ann.groups is not None else None,
+            flops_hinted=ann.flops_hinted,
         )
 
     def with_kernel_passes(self, passes) -> OpRecord:
@@ -311,6 +313,7 @@ class Report:
             "fp8_flop_share_backward": share([op for op in self.ops if op.backward]),
             "fallbacks_by_reason": dict(Counter(op.reason_kind for op in self.high_ops)),
             "gemms_without_flops": sum(not op.flops_known for op in self.ops),
+            "gemms_flops_from_hints": sum(op.flops_hinted for op in self.ops),
             "folded_blocks": self.folded,
             "fused_epilogues": sum(bool(op.epilogue) for op in self.fp8_ops),
             "gpu_kernels": dict(Counter(op.gpu_kernel for op in self.fp8_ops if op.gpu_kernel)),
@@ -410,6 +413,10 @@ class Report:
             )
         if s["fallbacks_by_reason"]:
             lines.append("kept high: " + ", ".join(f"{k} {v}" for k, v in sorted(s["fallbacks_by_reason"].items())))
+        if s["gemms_flops_from_hints"]:
+            lines.append(
+                f"{s['gemms_flops_from_hints']} GEMM(s) of dynamic dimensions: FLOPs from the sizes the graph was compiled for"
+            )
         if s["gemms_without_flops"]:
             lines.append(
                 f"{s['gemms_without_flops']} GEMM(s) of dynamic or unknown dimensions (FLOP % '?') are not in the FP8 shares"

@@ -53,7 +53,7 @@ def test_attribute_guard_recompile_supersedes_the_old_graph():
     assert " bmm " not in text and "bmm" not in report.markdown().split("| graph |")[1]  # no superseded rows
 
     data = json.loads(report.to_json())
-    assert data["schema"] == "fp8fx.report/3" and data["summary"]["superseded_graphs"] == 1
+    assert data["schema"] == "fp8fx.report/4" and data["summary"]["superseded_graphs"] == 1
     old = [op for op in data["ops"] if op["graph_state"] == "superseded"]
     new = [op for op in data["ops"] if op["graph_state"] == "in_use"]
     assert [op["op"] for op in old] == ["addmm", "bmm", "bmm", "addmm"] and [op["op"] for op in new] == ["addmm", "addmm"]

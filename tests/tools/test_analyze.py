@@ -172,7 +172,7 @@ def test_numerics_from_calibration_data_in_json(tmp_path):
     result = run("analyze", ASSETS / "transformer.py", "--train", "--numerics", "--calibrate", "2", "--format", "json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert data["schema"] == "fp8fx.report/3" and data["summary"]["numerics_batches"] == 2
+    assert data["schema"] == "fp8fx.report/4" and data["summary"]["numerics_batches"] == 2
     linear = [op for op in data["ops"] if op["op"] in ("mm", "addmm")]
     fp8 = [op for op in linear if op["precision"] == "fp8"]
     assert fp8 and all(op["numerics"]["sqnr_db"] > 10 and len(op["numerics"]["operands"]) == 2 for op in fp8)
