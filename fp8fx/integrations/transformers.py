@@ -10,8 +10,12 @@ state (`fp8fx.prepare`, so checkpoints carry the scales and `resume_from_checkpo
 them), and puts an `Fp8fxCallback` first among the Trainer's callbacks. On each of the Trainer's
 log events the callback adds fp8fx's scalars to the logs: the report summary once (after the
 first step), then what the monitor sampled since the last log, per FP8 cast. Being first, it adds
-them before any `report_to` logger (TensorBoard, W&B, ...) writes the logs. On each checkpoint it
-saves the full report as `fp8fx_report.json` in the checkpoint directory.
+them before any `report_to` logger (TensorBoard, W&B, ...) writes the logs. The console gets the
+summary only (`console="summary"`, the default: five scalars per cast and log event drown the
+loss); a second callback, just before the Trainer's progress printer, takes the per-cast scalars
+out of what it prints, after the loggers and `trainer_state.json` have them (`console="all"`
+prints everything). On each checkpoint it saves the full report as `fp8fx_report.json` in the
+checkpoint directory.
 
 `TrainingArguments(torch_compile_backend="fp8fx")` cannot work: Accelerate's `TorchDynamoPlugin`
 accepts only the names in its `DynamoBackend` enum and raises for any other. So `torch_compile`
@@ -38,6 +42,7 @@ class Fp8fxCallback(transformers.TrainerCallback):
 
     def __init__(self, model: Any):
         self.model = model
+        self.last_monitor_keys: list[str] = []  # the per-cast scalars added at the last log event
         self.backend = find_backend(model)
         if self.backend is None:
             raise ValueError(
@@ -54,7 +59,9 @@ class Fp8fxCallback(transformers.TrainerCallback):
             added.update(summary_metrics(fp8fx.report(self.model)))
             self.summary_logged = True
         if self.monitor is not None:
-            added.update(self.monitor.metrics())
+            monitored = self.monitor.metrics()
+            self.last_monitor_keys = list(monitored)
+            added.update(monitored)
         logs.update(added)
         if state.log_history:  # the Trainer appended its copy of these logs before calling us
             state.log_history[-1].update(added)
@@ -65,16 +72,36 @@ class Fp8fxCallback(transformers.TrainerCallback):
             save_report(fp8fx.report(self.model), checkpoint)
 
 
+class _ConsoleSummaryOnly(transformers.TrainerCallback):
+    """Just before the Trainer's console printer: takes the per-cast scalars of the last log event
+    out of the logs it prints (the loggers before it and `state.log_history` keep them)."""
+
+    def __init__(self, logging: Fp8fxCallback):
+        self.logging = logging
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        for key in self.logging.last_monitor_keys if logs is not None else ():
+            logs.pop(key, None)
+
+
+CONSOLE = ("summary", "all")
+
+
 def enable(
     trainer: Any,
     policy: Policy | str | os.PathLike | None = None,
     inner: str = "inductor",
     monitor_every: int = 0,
+    console: str = "summary",
     **backend_options: Any,
 ) -> Fp8fxCallback:
     """Train `trainer.model` with fp8fx: compile it in place with `fp8fx.backend(policy, inner,
     monitor_every, **backend_options)` (or keep the fp8fx backend it was compiled with), prepare
-    its delayed-scaling state and add the logging callback. Returns the callback."""
+    its delayed-scaling state and add the logging callback. `console`: what the Trainer prints of
+    fp8fx's scalars ("summary": the report summary, "all": the monitor's per-cast scalars too);
+    its loggers and `trainer_state.json` get everything. Returns the callback."""
+    if console not in CONSOLE:
+        raise ValueError(f"fp8fx enable: console must be one of {', '.join(CONSOLE)}, got {console!r}")
     if getattr(trainer.args, "torch_compile", False):
         raise ValueError(
             "fp8fx enable: TrainingArguments.torch_compile is on, so Accelerate would compile the model again with "
@@ -91,5 +118,11 @@ def enable(
             "fp8fx enable: the model is already compiled with fp8fx; give the policy and options to that fp8fx.backend(...)"
         )
     callback = Fp8fxCallback(model)
-    trainer.callback_handler.callbacks.insert(0, callback)
+    callbacks = trainer.callback_handler.callbacks
+    callbacks.insert(0, callback)
+    if console == "summary":
+        printers = (transformers.trainer_callback.ProgressCallback, transformers.trainer_callback.PrinterCallback)
+        at = next((i for i, cb in enumerate(callbacks) if isinstance(cb, printers)), None)
+        if at is not None:
+            callbacks.insert(at, _ConsoleSummaryOnly(callback))
     return callback

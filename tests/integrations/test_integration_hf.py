@@ -55,11 +55,12 @@ class StopAt(transformers.TrainerCallback):
             control.should_training_stop = True
 
 
-def test_trainer_logs_fp8fx_scalars_through_its_loggers_and_saves_the_report_with_checkpoints(tmp_path, monkeypatch):
+def test_trainer_logs_fp8fx_scalars_through_its_loggers_and_saves_the_report_with_checkpoints(tmp_path, monkeypatch, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     plain = trainer(tmp_path / "plain")
     plain.train()
+    capsys.readouterr()  # (the plain run's console)
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
     t = trainer(tmp_path / "fp8", report_to=["tensorboard"], logging_steps=2)
     callback = enable(t, inner="eager", monitor_every=2)
@@ -88,10 +89,26 @@ def test_trainer_logs_fp8fx_scalars_through_its_loggers_and_saves_the_report_wit
         assert {f"train/fp8fx/{key}/{name}" for name in ("scale", "saturated", "underflow", "non_finite")} <= tags
     logged = next(h for h in t.state.log_history if "fp8fx/gemms" in h)  # in trainer_state.json too
     assert logged["step"] == 2
+    assert sum(f"fp8fx/{key}/amax" in h for h in t.state.log_history for key in monitor.samples) == len(monitor.samples) * STEPS // 2
+    # The console (the Trainer's printer) shows the summary once and no per-cast scalar.
+    printed = capsys.readouterr().out
+    assert printed.count("'fp8fx/gemms'") == 1 and printed.count("'loss'") == STEPS // 2
+    assert "/amax'" not in printed and "/saturated'" not in printed
 
     for step in (3, 6):
         saved = json.loads((tmp_path / "fp8" / f"checkpoint-{step}" / REPORT_FILE).read_text())
         assert saved["summary"]["gemms"] == summary["gemms"] and len(saved["ops"]) == len(report.history)
+
+
+def test_console_all_prints_the_per_cast_scalars(tmp_path, capsys):
+    t = trainer(tmp_path / "fp8", max_steps=2, logging_steps=2, save_steps=10)
+    with pytest.raises(ValueError, match="console must be one of summary, all, got 'quiet'"):
+        enable(t, inner="eager", monitor_every=2, console="quiet")
+    enable(t, inner="eager", monitor_every=2, console="all")
+    t.train()
+    printed = capsys.readouterr().out
+    keys = fp8fx.stats(t.model).samples
+    assert keys and all(f"'fp8fx/{key}/amax'" in printed for key in keys)
 
 
 @pytest.mark.slow
