@@ -376,7 +376,7 @@ class Fp8fxBackend:
             handle = [n for n in gm.graph.nodes if n.op == "placeholder" and not str(n.target).startswith("tangents")][-1]
             delayed = DelayedInputs(handle, _amax_group_name(state))
         ctx = PassContext(self.policy, self.fuse_epilogues, self.kernels, dict(self.overrides), param_inputs, taps, delayed, self.saved_outputs,
-                          self.weight_fp8, self.epilogues_to_inductor)  # fmt: skip
+                          self.weight_fp8, self.epilogues_to_inductor, inference=kind == "inference")  # fmt: skip
         gm = run_passes(gm, ctx, REWRITE_PASSES)
         index = len(self.graphs)
         ops = [OpRecord.make(index, kind, ann) for ann in annotations(gm.graph)]

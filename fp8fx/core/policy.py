@@ -369,14 +369,19 @@ class Policy:
     recipe: str | None = None  # the named recipe `defaults` was built from, if any
     shadow: Shadow | None = None  # shadow high-precision checks (off: None)
     level: Level | None = None  # MS-AMP precision level for data-parallel training (off: None)
+    # Delayed scaling: whether a graph compiled without autograd (evaluation, torch.no_grad) records
+    # amaxes and updates the scales too (a calibration run). Off, it reads them only, as
+    # TransformerEngine updates them only with grad enabled, so evaluating does not move training.
+    calibrate: bool = False
 
     @classmethod
-    def from_recipe(cls, name: str, rules: tuple[Rule, ...] = (), **overrides: Any) -> Policy:
+    def from_recipe(cls, name: str, rules: tuple[Rule, ...] = (), calibrate: bool = False, **overrides: Any) -> Policy:
         """`Policy.from_recipe("rowwise", rules=(...,))`: a recipe's defaults, plus rules."""
-        return cls(defaults=recipe_settings(name, **overrides), rules=rules, recipe=name)
+        return cls(defaults=recipe_settings(name, **overrides), rules=rules, recipe=name, calibrate=calibrate)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", tuple(self.rules))
+        _bool(self.calibrate, "calibrate")
         if self.level is not None:
             object.__setattr__(self, "level", _enum(Level, self.level, "level"))
         for i, rule in enumerate(self.rules):
@@ -386,6 +391,8 @@ class Policy:
                 self._apply(rule, i)
             except PolicyError as e:
                 raise PolicyError(f"rules[{i}].{e.key_path}", e.message) from None
+        if self.calibrate and not self.uses_delayed_scaling:
+            raise PolicyError("calibrate", "true needs delayed scaling (scaling: delayed), the only scaling that keeps scales between steps")
 
     @property
     def uses_delayed_scaling(self) -> bool:
@@ -473,6 +480,8 @@ class Policy:
             }
         if self.level is not None:
             out["level"] = self.level.value
+        if self.calibrate:
+            out["calibrate"] = True
         return out
 
 

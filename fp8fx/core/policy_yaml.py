@@ -13,7 +13,7 @@ import yaml
 
 from fp8fx.core.policy import Policy, PolicyError, Rule, Settings, Shadow, recipe_settings
 
-_TOP_KEYS = {"version", "recipe", "defaults", "rules", "shadow", "level"}
+_TOP_KEYS = {"version", "recipe", "defaults", "rules", "shadow", "level", "calibrate"}
 _SHADOW_KEYS = {f.name for f in fields(Shadow)}
 _SETTINGS_KEYS = {f.name for f in fields(Settings)}
 _RULE_KEYS = {f.name for f in fields(Rule)}
@@ -128,10 +128,13 @@ class _Decoder:
             items = self.mapping(top["shadow"], "shadow", _SHADOW_KEYS)
             shadow = self.checked(top["shadow"], "shadow", lambda: Shadow(**{k: self.value(v) for k, v in items.items()}))
         level = self.value(top["level"]) if "level" in top else None
+        calibrate = self.value(top["calibrate"]) if "calibrate" in top else False
         return self.checked(
             root,
             "<root>",
-            lambda: Policy(defaults=defaults, rules=tuple(rules), source=self.source, recipe=recipe, shadow=shadow, level=level),
+            lambda: Policy(
+                defaults=defaults, rules=tuple(rules), source=self.source, recipe=recipe, shadow=shadow, level=level, calibrate=calibrate
+            ),
         )
 
     def settings(self, node: yaml.Node | None, key_path: str, recipe: str | None) -> Settings:

@@ -296,7 +296,9 @@ class _Fuser:
             for u in list(aux_node.users):
                 if u not in absorbed:
                     u.replace_input_with(aux_node, aux)
-        for node in reversed([*amax_users, *([fp8_cast] if fp8_cast is not None else []), *absorbed]):
+        # Consumers first (the cast and amaxes read the chain's last node): a node left behind
+        # dead would still look like a consumer to the next GEMM's chain.
+        for node in reversed([*absorbed, *([fp8_cast] if fp8_cast is not None else []), *amax_users]):
             if not node.users:
                 self.graph.erase_node(node)
         if not gemm.users:

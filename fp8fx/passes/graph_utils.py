@@ -89,6 +89,9 @@ class PassContext:
     # Whether Inductor compiles the rewritten graph: epilogues it fuses better stay out of the GEMMs
     # (fp8fx.codegen.dispatch.epilogue_to_inductor).
     epilogues_to_inductor: bool = False
+    # An inference graph (compiled without autograd: evaluation): delayed scaling reads its states
+    # and updates them only when the policy calibrates.
+    inference: bool = False
     # Handed on: the sites find_matmuls found, the GEMM nodes lower_patch_convs made (node -> the
     # op kind it was lowered from), and the delayed states insert_casts used (key -> history length).
     sites: list = field(default_factory=list)

@@ -108,30 +108,34 @@ class _Inserter:
         fmt, block = spec.fmt, list(spec.block)
         if fmt is Fp8Format.NVFP4:
             return self.quantize_nvfp4(x, spec, at, tag_from, state_key)
+        delayed = self.ctx.delayed if spec.delayed is not None else None
+        # A graph compiled without autograd (evaluation) casts with the delayed state's scale and
+        # leaves the state alone, unless the policy calibrates (TransformerEngine updates only with
+        # grad enabled): how often a run evaluates must not change how it trains.
+        update = delayed is not None and (not self.ctx.inference or self.ctx.policy.calibrate)
         with self.graph.inserting_before(at):
-            amax = self.add(fp8fx_ops.amax.default, (x, block), tag_from=tag_from)
+            amax = self.add(fp8fx_ops.amax.default, (x, block), tag_from=tag_from) if delayed is None or update else None
             if spec.delayed is not None:
                 self.ctx.delayed_states[state_key] = spec.delayed.history_len
-            delayed = self.ctx.delayed if spec.delayed is not None else None
             if delayed is None:  # dynamic scaling (or an export, which casts with dynamic scales)
                 args = (amax, fmt.max, spec.margin, spec.power_of_two, spec.rounding)
                 scale = self.add(fp8fx_ops.amax_to_scale.default, args, tag_from=tag_from)
             else:  # delayed: cast with the scale in use, then record this amax and update the state
                 scale = self.read_scale(state_key, x.meta["val"].device)
                 d = spec.delayed
-                if delayed.amax_group is not None:  # every rank updates from the same amax
+                if update and delayed.amax_group is not None:  # every rank updates from the same amax
                     reduce = (amax, "max", delayed.amax_group)
                     amax = self.add(torch.ops._c10d_functional.all_reduce.default, reduce, tag_from=tag_from)
                     amax = self.add(torch.ops._c10d_functional.wait_tensor.default, (amax,), tag_from=tag_from)
                 most_recent = d.algo is AmaxComputeAlgo.MOST_RECENT
                 update_args = (delayed.handle, state_key, amax, fmt.max, spec.margin, spec.power_of_two, most_recent, d.interval)
-            computed = [amax, scale]  # what backward makes again with weight_fp8="recompute" (not the tap)
+            computed = [n for n in (amax, scale) if n is not None]  # what backward makes again with weight_fp8="recompute" (not the tap)
             if self.ctx.taps.monitor is not None:  # the runtime monitor samples what this cast receives
                 tap_args = (scale, [x], self.ctx.taps.monitor, Monitor.tap_key(state_key, fmt, block))
                 scale = self.add(fp8fx_ops.tap.default, tap_args, tag_from=tag_from)
             fp8 = self.add(fp8fx_ops.cast.default, (x, scale, fmt.dtype, block), tag_from=tag_from)
             scale_inv = self.add(fp8fx_ops.scale_inverse.default, (scale,), tag_from=tag_from)
-        if delayed is not None:
+        if update:
             with self.graph.inserting_before(self.output):  # after every read of the state's old values
                 self.add(fp8fx_ops.delayed_scale_step.default, update_args, tag_from=tag_from)
         if x in self.weights:  # backward casts the weight again

@@ -297,3 +297,33 @@ def test_state_ops_name_what_they_cannot_find():
     assert torch.ops.fp8fx.delayed_scale(handle, "a.output.input", torch.device("cpu")).item() == 1.0
     with pytest.raises(RuntimeError, match="no delayed-scaling state 'b.output.input'"):
         torch.ops.fp8fx.delayed_scale(handle, "b.output.input", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("calibrate", [False, True])
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_evaluation_reads_the_scales_and_updates_them_only_when_calibrating(inner, calibrate):
+    """A graph compiled without autograd (eval mode under no_grad) casts with the delayed scales
+    and leaves the state as training left it, as TransformerEngine updates only with grad
+    enabled; `calibrate: true` makes it record amaxes and update (a calibration run)."""
+    torch.manual_seed(0)
+    model = fp8fx.prepare(nn.Linear(32, 16))
+    policy = Policy.from_recipe("delayed", amax_history_len=4, calibrate=calibrate)
+    compiled = torch.compile(model, backend=fp8fx.backend(policy, inner=inner))
+    compiled(torch.randn(8, 32)).sum().backward()
+    state = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("fp8fx_state.")}
+    trained_scale = fp8fx.report(compiled).find(role="output")[0].scale
+    model.eval()
+    with torch.no_grad():
+        out = compiled(100 * torch.randn(8, 32))
+    assert torch.isfinite(out).all()
+    changed = {k for k, v in model.state_dict().items() if k in state and not torch.equal(v, state[k])}
+    scale = fp8fx.report(compiled).find(role="output")[0].scale
+    if calibrate:  # the input's history, scale and step count; the weight's history and step count
+        assert len(changed) == 5 and scale[0] < trained_scale[0] / 50
+    else:
+        assert not changed and scale == trained_scale
+
+
+def test_calibrate_needs_delayed_scaling():
+    with pytest.raises(fp8fx.PolicyError, match=r"calibrate: true needs delayed scaling"):
+        Policy.from_recipe("tensorwise", calibrate=True)

@@ -154,8 +154,10 @@ def test_single_gemm_override(alias, role, prec, base):
 
 # (text, key_path, line, message fragment)
 BAD_FILES = {
-    "unknown_top_key": ("version: 1\nrulez: []\n", "rulez", 2, "unknown key; expected one of defaults, level, recipe, rules, shadow, version"),
+    "unknown_top_key": ("version: 1\nrulez: []\n", "rulez", 2, "unknown key; expected one of calibrate, defaults, level, recipe, rules, shadow, version"),
     "bad_level": ("version: 1\nrecipe: tensorwise\nlevel: O4\n", "level", 3, "expected O1|O2|O3, got 'O4'"),
+    "calibrate_dynamic": ("version: 1\nrecipe: tensorwise\ncalibrate: true\n", "calibrate", 3, "true needs delayed scaling"),
+    "calibrate_not_bool": ("version: 1\nrecipe: delayed\ncalibrate: 1\n", "calibrate", 3, "expected true or false"),
     "unknown_rule_key": ("version: 1\nrules:\n  - match: x\n    granularty: tensorwise\n", "rules[0].granularty", 4, "unknown key"),
     "enum_defaults": ("version: 1\ndefaults:\n  format: e4m3\n  granularity: row\n", "defaults.granularity", 4,
                       "expected tensorwise|rowwise|blockwise|mx|nvfp4, got 'row'"),
@@ -321,3 +323,10 @@ def test_a_file_that_is_not_utf8_names_the_byte_and_line(tmp_path):
     with pytest.raises(PolicyError) as info:
         fp8fx.load_policy(path)
     assert (info.value.key_path, info.value.line) == ("<file>", 2) and "not UTF-8 text: byte 0xe9" in str(info.value)
+
+
+def test_calibrate_is_a_top_level_key():
+    policy = fp8fx.policy_from_yaml("version: 1\nrecipe: delayed\ncalibrate: true\n")
+    assert policy.calibrate and policy.to_dict()["calibrate"] is True
+    assert fp8fx.policy_from_yaml(yaml.safe_dump(policy.to_dict())) == policy
+    assert "calibrate" not in fp8fx.Policy.from_recipe("delayed").to_dict()  # off by default

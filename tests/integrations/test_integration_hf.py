@@ -35,11 +35,11 @@ def llama() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-def trainer(out, model=None, **args) -> transformers.Trainer:
+def trainer(out, model=None, eval_dataset=None, **args) -> transformers.Trainer:
     defaults = {"max_steps": STEPS, "per_device_train_batch_size": 4, "logging_steps": 1, "save_steps": 3, "report_to": [], "use_cpu": True, "seed": 0,
                     "disable_tqdm": True, "learning_rate": 1e-3}  # fmt: skip
     training_args = transformers.TrainingArguments(str(out), **{**defaults, **args})
-    return transformers.Trainer(model=model or llama(), args=training_args, train_dataset=dataset())
+    return transformers.Trainer(model=model or llama(), args=training_args, train_dataset=dataset(), eval_dataset=eval_dataset)
 
 
 def losses(t: transformers.Trainer) -> list[float]:
@@ -109,6 +109,23 @@ def test_console_all_prints_the_per_cast_scalars(tmp_path, capsys):
     printed = capsys.readouterr().out
     keys = fp8fx.stats(t.model).samples
     assert keys and all(f"'fp8fx/{key}/amax'" in printed for key in keys)
+
+
+def test_evaluation_leaves_delayed_scaling_alone(tmp_path):
+    """The Trainer's evaluation loop (no grad, eval mode) reads the delayed scales and does not
+    update them: training with an evaluation every 2 steps gives the losses of training without."""
+
+    def run(out, **args):
+        torch._dynamo.reset()
+        t = trainer(out, save_steps=100, **args)
+        enable(t, policy=fp8fx.Policy.from_recipe("delayed", amax_history_len=4), inner="eager")
+        t.train()
+        return t
+
+    evaluated = run(tmp_path / "eval", eval_strategy="steps", eval_steps=2, eval_dataset=dataset(8))
+    plain = run(tmp_path / "plain")
+    assert sum("eval_loss" in h for h in evaluated.state.log_history) == STEPS // 2
+    assert losses(evaluated) == losses(plain)
 
 
 @pytest.mark.slow

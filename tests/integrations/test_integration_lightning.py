@@ -232,6 +232,14 @@ def test_delayed_scaling_resumes_exactly_from_a_checkpoint(tmp_path):
     assert without.losses != straight.losses[STEPS_PER_EPOCH:]
 
 
+def test_validation_leaves_delayed_scaling_alone(tmp_path):
+    """Validation (and the sanity check before training) casts with the delayed scales and does
+    not update them: a run that validates every epoch trains exactly as one that never does."""
+    validated, _ = fit(tmp_path / "val", Fp8fxCallback(policy=DELAYED, inner="eager"), epochs=2, val=True)
+    plain, _ = fit(tmp_path / "plain", Fp8fxCallback(policy=DELAYED, inner="eager"), epochs=2)
+    assert len(validated.val_losses) == 2 + 2 * 2 and validated.losses == plain.losses
+
+
 def test_a_second_trainer_on_the_same_module(tmp_path):
     first = Fp8fxCallback(inner="eager", monitor_every=1)
     module, _ = fit(tmp_path / "first", first, max_steps=2)

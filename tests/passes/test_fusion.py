@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 from helpers import FP8_GEMM, GRAD_SQNR_DB, OUTPUT_SQNR_DB, SCALED_MM, GatedBlock, count, sqnr, tiny_gpt2, tiny_llama
 
 import fp8fx
@@ -273,3 +274,28 @@ def test_a_widening_cast_after_a_kept_value_is_left_to_the_consumer(n_out):
     (gemm,) = [n for n in graphs(backend, "forward")[0].graph.nodes if n.target == FP8_GEMM]
     assert gemm.args[8] == torch.bfloat16 and logits.dtype == torch.bfloat16
     assert torch.isfinite(h.grad).all() and torch.isfinite(proj.weight.grad).all()
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_a_gated_mlp_writing_fp8_for_the_next_gemm_at_inference(inner):
+    """Delayed scaling at inference: gate's GEMM absorbs SiLU, the product with up and the FP8 cast
+    for down (its scale is known before the GEMM). The chain it absorbed must be gone before up's
+    GEMM looks for its own consumers, or up fuses the dead product and reads gate's old result."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.gate, model.up, model.down = (nn.Linear(64, 128, bias=False), nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=False))
+
+    def mlp(x):
+        return model.down(nn.functional.silu(model.gate(x)) * model.up(x))
+
+    fp8fx.prepare(model)
+    backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe("delayed"), inner=inner, kernels="triton")
+    x = torch.randn(4, 32, 64)
+    with torch.no_grad():
+        out = torch.compile(mlp, backend=backend)(x)
+        ref = mlp(x)
+    ops = fp8fx.report(backend).ops
+    assert sorted(op.site for op in ops) == ["down", "gate", "up"]
+    gate = next(op for op in ops if op.site == "gate")
+    assert gate.epilogue == "act=silu,mul" and gate.kernel.endswith("_e4m3_fastacc")  # writes E4M3 for down
+    assert sqnr(out, ref) >= OUTPUT_SQNR_DB
