@@ -83,6 +83,15 @@ def _used_by_backward(node: fx.Node) -> bool:
     return False
 
 
+def _reshape_like(node: fx.Node):
+    """How a fused GEMM's 2-D result takes the N-D shape of the chain value `node` it replaces: a
+    view where `node` was one (a linear's own output, a view of its GEMM's), else `_unsafe_view`
+    (no alias, as matmul's own reshape), since `node` was a fresh tensor (an add's or activation's
+    result) and returned as a view it would differ from eager (FSDP2 warns on a returned view, and
+    an in-place op on one would skip its pre-backward hook)."""
+    return aten.view.default if node.target in (aten.view.default, aten.reshape.default) else aten._unsafe_view.default
+
+
 def _other_operand(node: fx.Node, current: fx.Node):
     args = [a for a in node.args if a is not current]
     return args[0] if len(args) == 1 and isinstance(args[0], fx.Node) else None
@@ -280,10 +289,10 @@ class _Fuser:
                     list(block_a), list(block_b), ep.spec())  # fmt: skip
             fused = self.add(fp8fx_ops.fp8_gemm.default, args, tag_from=gemm, kwargs={"gpu_kernel": kernel, "fast_accum": fast_accum})
             outs = [self.add(operator.getitem, (fused, i), tag_from=gemm) for i in range(3)]
-            out = outs[0] if _same_shape(final, (m, n)) else self.add(aten.view.default, (outs[0], sizes[final]), tag_from=gemm)
+            out = outs[0] if _same_shape(final, (m, n)) else self.add(_reshape_like(final), (outs[0], sizes[final]), tag_from=gemm)
             aux = None
             if aux_node is not None:
-                aux = outs[1] if _same_shape(aux_node, (m, n)) else self.add(aten.view.default, (outs[1], sizes[aux_node]), tag_from=gemm)
+                aux = outs[1] if _same_shape(aux_node, (m, n)) else self.add(_reshape_like(aux_node), (outs[1], sizes[aux_node]), tag_from=gemm)
         for key in ("seq_nr", "autograd_backward", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack"):
             if key in gemm.meta:
                 fused.meta[key] = gemm.meta[key]

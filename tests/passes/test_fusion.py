@@ -299,3 +299,39 @@ def test_a_gated_mlp_writing_fp8_for_the_next_gemm_at_inference(inner):
     gate = next(op for op in ops if op.site == "gate")
     assert gate.epilogue == "act=silu,mul" and gate.kernel.endswith("_e4m3_fastacc")  # writes E4M3 for down
     assert sqnr(out, ref) >= OUTPUT_SQNR_DB
+
+
+EPILOGUE_OUTPUTS = {  # a returned value that ends each epilogue kind (3-D, so the fused 2-D result is reshaped)
+    "bias": lambda m, x: m.fc(x),
+    "bias_act": lambda m, x: nn.functional.gelu(m.fc(x)),
+    "mul": lambda m, x: nn.functional.silu(m.gate(x)) * m.up(x),
+    "residual": lambda m, x: x + m.down(x),
+    "two_outputs": lambda m, x: (m.fc(x), x + m.down(x)),
+}
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("inner,kernels", [("eager", "auto"), ("eager", "triton"), ("inductor", "triton")])
+@pytest.mark.parametrize("kind", list(EPILOGUE_OUTPUTS))
+def test_compiled_outputs_alias_as_without_fp8fx(kind, inner, kernels, training):
+    """A fused epilogue's result is reshaped back to the chain's N-D shape; the compiled model must
+    return a view exactly where the same compile without fp8fx does (`aot_eager` for
+    inner="eager"): a fresh tensor for an add's or activation's result, as eager does."""
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.fc, model.gate, model.up, model.down = (nn.Linear(64, 64) for _ in range(4))
+    fn = EPILOGUE_OUTPUTS[kind]
+    x = torch.randn(2, 8, 64, requires_grad=training)
+    backend = fp8fx.backend(inner=inner, kernels=kernels)
+    plain = "aot_eager" if inner == "eager" else "inductor"
+    with torch.set_grad_enabled(training):
+        ours, ref = torch.compile(lambda x: fn(model, x), backend=backend)(x), fn(model, x)
+        torch._dynamo.reset()
+        without = torch.compile(lambda x: fn(model, x), backend=plain)(x)
+    ours, ref, without = ((ours, ref, without) if isinstance(ref, tuple) else ((ours,), (ref,), (without,)))
+    assert any(op.epilogue for op in fp8fx.report(backend).ops)  # something was fused
+    for o, r, w in zip(ours, ref, without):
+        assert (o._base is None, o._is_view()) == (w._base is None, w._is_view())
+        if kind in ("bias_act", "mul", "residual"):  # a fresh tensor in eager too
+            assert o._base is None and not o._is_view()
+        assert sqnr(o.detach(), r.detach()) >= OUTPUT_SQNR_DB
