@@ -57,7 +57,8 @@ def test_state_update_follows_te_formula(history_len, algo, margin, interval):
 def test_compiled_linear_casts_with_the_previous_scale_and_updates_in_graph():
     torch.manual_seed(0)
     model = fp8fx.prepare(nn.Linear(32, 16, bias=False))
-    cap = compile_captured(model, Policy.from_recipe("delayed", amax_history_len=4))
+    # Under no_grad: a calibration run, which updates the state as training does.
+    cap = compile_captured(model, Policy.from_recipe("delayed", amax_history_len=4, calibrate=True))
     expected = te_delayed_scaling(SEQUENCE, 4, "max", 0, 1)
     w = model.weight.detach()
     for step, a in enumerate(SEQUENCE):

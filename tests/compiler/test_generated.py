@@ -224,7 +224,11 @@ def check_case(case: Case) -> None:
     if case.dynamic == "recompile":  # a second leading size: Dynamo recompiles with symbolic sizes
         inputs.append(make_input(case, (*case.lead[:-1], case.lead[-1] + 3), 1))
 
-    backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(case.recipe), inner=case.inner, monitor_every=1)
+    # Delayed scales are warmed up by the steps below; an inference case's are a calibration run
+    # (without `calibrate`, a graph compiled without autograd leaves the scales alone).
+    calibrate = RECIPES[case.recipe].get("scaling") == "delayed"
+    policy = fp8fx.Policy.from_recipe(case.recipe, calibrate=calibrate)
+    backend = fp8fx.backend(policy=policy, inner=case.inner, monitor_every=1)
     ours_model = fp8fx.prepare(copy.deepcopy(model))  # delayed scaling keeps its state in the model
     target = (lambda x: ours_model(x)) if case.as_function else ours_model
     dynamic = {"static": False, "dynamic": True, "recompile": None}[case.dynamic]
