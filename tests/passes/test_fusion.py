@@ -156,6 +156,24 @@ def test_delayed_scaling_consumer_gets_fp8_straight_from_the_epilogue():
         assert sqnr(fused, unfused) >= 40
 
 
+def gated_step_under_inductor(kernels: str, training: bool):
+    """GatedBlock compiled with fp8fx under Inductor (caches off) and run once (with backward when
+    training): (model, input, output, backend)."""
+    torch.manual_seed(0)
+    model = GatedBlock()
+    backend = fp8fx.backend(inner="inductor", kernels=kernels)
+    x = torch.randn(2, 16, 64, requires_grad=training)
+    with (
+        torch._functorch.config.patch(enable_autograd_cache=False),
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch.set_grad_enabled(training),
+    ):
+        out = torch.compile(model, backend=backend)(x)
+        if training:
+            out.square().sum().backward()
+    return model, x, out, backend
+
+
 @pytest.mark.parametrize("training", [False, True])
 @pytest.mark.parametrize("table_cached_first", [False, True])
 def test_inductor_sees_whole_activations_and_fuses_them(table_cached_first, training, monkeypatch):
@@ -176,18 +194,7 @@ def test_inductor_sees_whole_activations_and_fuses_them(table_cached_first, trai
         return compile_inner(gm, example_inputs, **kwargs)
 
     monkeypatch.setattr(compile_fx, "compile_fx_inner", recording)
-    torch.manual_seed(0)
-    model = GatedBlock()
-    backend = fp8fx.backend(inner="inductor", kernels="triton")  # (auto leaves epilogues to Inductor: the next test)
-    x = torch.randn(2, 16, 64, requires_grad=training)
-    with (
-        torch._functorch.config.patch(enable_autograd_cache=False),
-        torch._inductor.config.patch(fx_graph_cache=False),
-        torch.set_grad_enabled(training),
-    ):
-        out = torch.compile(model, backend=backend)(x)
-        if training:
-            out.square().sum().backward()
+    model, x, out, backend = gated_step_under_inductor("triton", training)  # (auto leaves epilogues to Inductor: the next test)
     epilogues = {op.site: op.epilogue for op in fp8fx.report(backend).ops if op.role == "output"}
     if training:  # silu(gate) * up fuses into up's GEMM; the pre-activations are saved for backward
         assert epilogues == {
@@ -226,18 +233,7 @@ def test_under_inductor_auto_leaves_epilogues_to_inductor(kernels, training, mon
         return gm
 
     monkeypatch.setattr(backend_module, "run_passes", recording)
-    torch.manual_seed(0)
-    model = GatedBlock()
-    backend = fp8fx.backend(inner="inductor", kernels=kernels)
-    x = torch.randn(2, 16, 64, requires_grad=training)
-    with (
-        torch._functorch.config.patch(enable_autograd_cache=False),
-        torch._inductor.config.patch(fx_graph_cache=False),
-        torch.set_grad_enabled(training),
-    ):
-        out = torch.compile(model, backend=backend)(x)
-        if training:
-            out.square().sum().backward()
+    model, x, out, backend = gated_step_under_inductor(kernels, training)
     ops = fp8fx.report(backend).ops
     assert ops and all(op.epilogue == "" and op.gpu_kernel == "scaled_mm" for op in ops)
     outputs = [op for op in ops if op.role == "output"]
