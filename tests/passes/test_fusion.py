@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 from helpers import FP8_GEMM, GRAD_SQNR_DB, OUTPUT_SQNR_DB, SCALED_MM, GatedBlock, count, sqnr, tiny_gpt2, tiny_llama
+from torch import nn
 
 import fp8fx
 from fp8fx.codegen import dispatch
