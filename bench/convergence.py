@@ -2,6 +2,14 @@
 recipe (lm_head high), and torchao's float8 emulate mode and MXFP8 emulation - same init and batches
 per seed. `--experts E` makes every MLP a mixture of E experts (top 2) run as grouped GEMMs.
 
+The defaults against torchao, both compiled by Inductor: `fp8fx-default` is exactly
+`torch.compile(model, backend="fp8fx")` (default policy: tensorwise, lm_head in FP8 too),
+`fp8fx-default-high` the same with `saved_outputs="high"`, and `torchao-default` torchao's
+`convert_to_float8_training` (emulate=True; the same recipe: dynamic tensorwise scales, E4M3
+forward, E5M2 gradients) on every Linear, lm_head included, under `torch.compile(model)`.
+`--autocast` runs every run's model under BF16 autocast; its baseline is then the `bf16` run:
+    python bench/convergence.py --autocast --runs bf16,fp8fx-default,fp8fx-default-high,torchao-default
+
 Data: Python's own documentation topics (`pydoc_data.topics`), 90/10 train/validation split.
 Target: every FP8 run's final validation loss within 0.25% of fp32's, over >= 1000 steps, with
 fp32's seed-to-seed spread printed beside it (>= 3 seeds).
@@ -117,10 +125,25 @@ def batch(data: torch.Tensor, args, generator: torch.Generator) -> tuple[torch.T
     return rows[:, :-1], rows[:, 1:]
 
 
-def prepare_run(name: str, model: nn.Module):
-    """The model as the run trains it, and the autocast context (BF16 only)."""
+def prepare_run(name: str, model: nn.Module, autocast: bool = False):
+    """The model as the run trains it, and the autocast context (BF16 only, or every run with
+    `autocast`)."""
+    run, context = _prepare_run(name, model)
+    return run, torch.autocast("cpu", dtype=torch.bfloat16) if autocast else context
+
+
+def _prepare_run(name: str, model: nn.Module):
     if name == "bf16":
         return model, torch.autocast("cpu", dtype=torch.bfloat16)
+    if name == "fp8fx-default":
+        return torch.compile(model, backend="fp8fx"), torch.autocast("cpu", enabled=False)
+    if name == "fp8fx-default-high":
+        return torch.compile(model, backend=fp8fx.backend(saved_outputs="high")), torch.autocast("cpu", enabled=False)
+    if name == "torchao-default":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig(emulate=True))
+        return torch.compile(model), torch.autocast("cpu", enabled=False)
     if name == "torchao-emulate":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -163,7 +186,7 @@ def prepare_run(name: str, model: nn.Module):
 def train(name: str, seed: int, args, train_data, val_data, vocab: int, writer) -> None:
     torch.manual_seed(seed)
     model = GPT(vocab, args.dim, args.heads, args.layers, args.seq, args.experts)
-    run, autocast = prepare_run(name, model)  # first: torchao's MXFP8 conversion makes new Parameters
+    run, autocast = prepare_run(name, model, args.autocast)  # first: torchao's MXFP8 conversion makes new Parameters
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     warmup = min(50, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -195,8 +218,17 @@ def train(name: str, seed: int, args, train_data, val_data, vocab: int, writer) 
     torch._dynamo.reset()
 
 
-def plot(rows: list[list], out: Path) -> None:
-    import matplotlib
+def baseline_of(rows: list[list], baseline: str | None = None) -> str:
+    """The run the gaps are measured against: `baseline`, else fp32 where the rows have it, else bf16."""
+    return baseline or ("fp32" if any(row[0] == "fp32" for row in rows) else "bf16")
+
+
+def plot(rows: list[list], out: Path, baseline: str = "fp32") -> bool:
+    """Writes the plot to `out`; False (no plot) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -205,51 +237,53 @@ def plot(rows: list[list], out: Path) -> None:
     for name, _seed, step, _train, val, _seconds in rows:
         curves.setdefault(name, {}).setdefault(int(step), []).append(float(val))
     fig, (ax, gap_ax) = plt.subplots(1, 2, figsize=(13, 5))
-    base = {s: statistics.fmean(v) for s, v in curves.get("fp32", {}).items()}
+    base = {s: statistics.fmean(v) for s, v in curves.get(baseline, {}).items()}
     for i, (name, by_step) in enumerate(curves.items()):
         steps = sorted(by_step)
         means = [statistics.fmean(by_step[s]) for s in steps]
         color = f"C{i % 10}"  # one colour per run in both plots
         ax.plot(steps, means, label=name, color=color)
-        if base and name != "fp32":
+        if base and name != baseline:
             gap_ax.plot(
                 steps, [100 * (m - base[s]) / base[s] for s, m in zip(steps, means) if s in base], label=name, color=color
             )
     ax.set(xlabel="step", ylabel="validation loss (mean over seeds)", title="Character-level GPT on pydoc topics")
     gap_ax.axhspan(-0.25, 0.25, color="#2ca02c", alpha=0.15, label="target: within 0.25%")
-    gap_ax.set(xlabel="step", ylabel="validation loss gap to fp32 (%)", title="Gap to fp32")
+    gap_ax.set(xlabel="step", ylabel=f"validation loss gap to {baseline} (%)", title=f"Gap to {baseline}")
     ax.legend(fontsize=8)
     gap_ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
+    return True
 
 
-def summarize(rows: list[list]) -> None:
-    """Final validation loss per run and seed, the gap to fp32 with the same seed, and s/step."""
+def summarize(rows: list[list], baseline: str = "fp32") -> None:
+    """Final validation loss per run and seed, the gap to `baseline` with the same seed, each run's
+    seed-to-seed spread (std of its final loss over seeds, % of its mean), and s/step."""
     last: dict[tuple[str, int], tuple[int, float, float]] = {}
     for name, seed, step, _train, val, seconds in rows:
         key = (name, int(seed))
         if key not in last or int(step) > last[key][0]:
             last[key] = (int(step), float(val), float(seconds))
     runs = list(dict.fromkeys(name for name, _seed in last))
-    base = {seed: val for (name, seed), (_s, val, _t) in last.items() if name == "fp32"}
+    base = {seed: val for (name, seed), (_s, val, _t) in last.items() if name == baseline}
     steps = {s for s, _v, _t in last.values()}
     if len(steps) != 1:
         raise SystemExit(f"runs stopped at different steps {sorted(steps)}: not comparable")
     (steps,) = steps
     noise = 100 * statistics.pstdev(base.values()) / statistics.fmean(base.values()) if base else float("nan")
-    print(f"\nfinal validation loss after {steps} steps, {len(base)} seed(s); fp32 seed-to-seed spread (std) {noise:.3f}%")
-    print(f"{'run':22s} {'val loss':>9s} {'gap %':>8s} {'min..max %':>16s} {'s/step':>7s}  target |gap| <= 0.25%")
+    print(f"\nfinal validation loss after {steps} steps, {len(base)} seed(s); {baseline} seed-to-seed spread (std) {noise:.3f}%")
+    print(f"{'run':22s} {'val loss':>9s} {'gap %':>8s} {'min..max %':>16s} {'std %':>7s} {'s/step':>7s}  target |gap| <= 0.25%")
     for name in runs:
         mine = {seed: v for (n, seed), v in last.items() if n == name}
         gaps = [100 * (val - base[seed]) / base[seed] for seed, (_s, val, _t) in mine.items() if seed in base]
         mean_gap = statistics.fmean(gaps) if gaps else float("nan")
-        verdict = "" if name == "fp32" or not gaps else ("PASS" if abs(mean_gap) <= 0.25 else "FAIL")
+        verdict = "" if name == baseline or not gaps else ("PASS" if abs(mean_gap) <= 0.25 else "FAIL")
         spread = f"{min(gaps):+.3f}..{max(gaps):+.3f}" if gaps else "-"
         per_step = statistics.fmean(t for _s, _v, t in mine.values()) / steps
-        print(
-            f"{name:22s} {statistics.fmean(v for _s, v, _t in mine.values()):9.4f} {mean_gap:+8.3f} {spread:>16s} {per_step:7.3f}  {verdict}"
-        )
+        vals = [v for _s, v, _t in mine.values()]
+        std = 100 * statistics.pstdev(vals) / statistics.fmean(vals)
+        print(f"{name:22s} {statistics.fmean(vals):9.4f} {mean_gap:+8.3f} {spread:>16s} {std:7.3f} {per_step:7.3f}  {verdict}")
 
 
 def read_rows(paths: list[Path]) -> list[list]:
@@ -278,9 +312,15 @@ def main() -> None:
         "--experts", type=int, default=0, help="mixture-of-experts MLPs with this many experts (top 2), as grouped GEMMs"
     )
     runs = ["fp32", "bf16", *(f"fp8fx-{r}" for r in fp8fx.core.recipes.RECIPES), "torchao-emulate", "torchao-mxfp8"]
+    runs += ["fp8fx-default", "fp8fx-default-high", "torchao-default"]
     ap.add_argument("--runs", default=",".join(runs), help="comma-separated subset of: " + ", ".join(runs))
+    ap.add_argument(
+        "--autocast", action="store_true", help="every run's model under BF16 autocast (baseline: the bf16 run; no fp32 run)"
+    )
+    ap.add_argument("--baseline", help="the run gaps are measured against (default: fp32 if present, else bf16)")
     ap.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     ap.add_argument("--csv", default="convergence.csv", help="file name of this invocation's CSV in --out-dir")
+    ap.add_argument("--png", default="convergence.png", help="file name of the plot in --out-dir")
     ap.add_argument("--report", nargs="+", type=Path, help="train nothing: merge these CSVs, plot and print the table")
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -288,6 +328,14 @@ def main() -> None:
         unknown = set(args.runs.split(",")) - set(runs)
         if unknown:
             raise SystemExit(f"unknown run(s) {sorted(unknown)}; choose from {runs}")
+        if args.autocast and "fp32" in args.runs.split(","):
+            raise SystemExit("--autocast runs every model under BF16 autocast: its baseline is the bf16 run, not fp32")
+        # A fresh Inductor cache per invocation: no compiled graph or record from another process or
+        # an older checkout; the seeds of one invocation share it (same graphs, same keys).
+        import os
+        import tempfile
+
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="convergence-inductor-"))
         train_data, val_data, vocab = corpus()
         with (args.out_dir / args.csv).open("w", newline="") as f:
             writer = csv.writer(f)
@@ -297,9 +345,10 @@ def main() -> None:
                     train(name, seed, args, train_data, val_data, vocab, writer)
                     f.flush()
     rows = read_rows(args.report or [args.out_dir / args.csv])
-    plot(rows, args.out_dir / "convergence.png")
-    summarize(rows)
-    print(f"wrote {args.out_dir / 'convergence.png'}")
+    baseline = baseline_of(rows, args.baseline)
+    plotted = plot(rows, args.out_dir / args.png, baseline)
+    summarize(rows, baseline)
+    print(f"wrote {args.out_dir / args.png}" if plotted else "no plot: matplotlib is not installed")
 
 
 if __name__ == "__main__":

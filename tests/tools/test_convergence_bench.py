@@ -1,0 +1,68 @@
+"""bench/convergence.py's smoke tests: the default runs are built as their names say (no compile:
+Inductor's takes a minute on CPU), and a tiny --autocast training writes its rows and reports the
+gaps to the bf16 run."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import fp8fx
+from fp8fx.compiler.backend import DEFAULT_BACKEND, _find_backend
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("convergence_bench", ROOT / "bench" / "convergence.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tiny(bench) -> nn.Module:
+    return bench.GPT(vocab=32, dim=32, heads=2, layers=1, seq=16)
+
+
+def test_default_runs_are_the_defaults():
+    bench = _bench()
+    run, context = bench.prepare_run("fp8fx-default", _tiny(bench))
+    assert _find_backend(run) is DEFAULT_BACKEND and not context._enabled
+    run, context = bench.prepare_run("fp8fx-default-high", _tiny(bench), autocast=True)
+    found = _find_backend(run)
+    assert (found.saved_outputs, found.inner, found.policy) == ("high", "inductor", fp8fx.Policy())
+    assert context._enabled and context.fast_dtype == torch.bfloat16
+
+
+def test_torchao_default_converts_every_linear():
+    float8 = pytest.importorskip("torchao.float8.float8_linear")
+    bench = _bench()
+    model = _tiny(bench)
+    run, context = bench.prepare_run("torchao-default", model)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert isinstance(model.lm_head, float8.Float8Linear)
+    assert all(isinstance(m, float8.Float8Linear) and m.config.emulate for m in linears), linears
+    assert run._orig_mod is model and _find_backend(run) is None and not context._enabled
+
+
+def test_tiny_autocast_training_reports_gaps_to_bf16(tmp_path, monkeypatch, capsys):
+    bench = _bench()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    args = ["--autocast", "--runs", "bf16", "--steps", "4", "--eval-every", "2", "--eval-batches", "1", "--seeds", "2",
+            "--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--out-dir", str(tmp_path)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["convergence.py", *args])
+    bench.main()
+    with (tmp_path / "convergence.csv").open() as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["run", "seed", "step", "train_loss", "val_loss", "seconds"]
+    assert [(r[0], r[1], r[2]) for r in rows[1:]] == [("bf16", s, t) for s in "01" for t in ("2", "4")]
+    assert "bf16 seed-to-seed spread" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["convergence.py", *args[:2], "fp32,bf16", *args[3:]])
+    with pytest.raises(SystemExit, match="baseline is the bf16 run"):
+        bench.main()
