@@ -28,7 +28,7 @@ from fp8fx.codegen.dispatch import triton_available
 from fp8fx.codegen.variants import device_target
 from fp8fx.compiler import cache
 from fp8fx.compiler.kernel_passes import KernelPasses, counting
-from fp8fx.compiler.lowering import lay_out_operands, lower_elementwise, operand_numels
+from fp8fx.compiler.lowering import lay_out_operands, lower_casts, lower_elementwise, operand_numels
 from fp8fx.compiler.state import Fp8State, StateInstance, instance_keys, locate
 from fp8fx.core.patterns import BY_TARGET, OPAQUE
 from fp8fx.core.policy import Policy
@@ -41,6 +41,7 @@ from fp8fx.passes.graph_utils import DelayedInputs, Taps, decompose_nodes
 from fp8fx.passes.saved_outputs import recompute_at_first_use
 from fp8fx.reporting.records import OpRecord, Report
 from fp8fx.reporting.traffic import non_gemm_bytes, saved_activation_bytes
+from fp8fx.reporting.uncaptured import find_uncaptured
 from fp8fx.runtime.monitor import Monitor
 from fp8fx.runtime.numerics import NumericsCollector
 from fp8fx.runtime.shadow import ShadowChecks
@@ -508,6 +509,7 @@ class _InductorJointPass(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         self.rewrite(graph.owning_module)
         decompose_nodes(graph, self.decompositions)
+        lower_casts(graph, self.decompositions)
 
     def uuid(self) -> str | None:
         # With a key, a cached compile skips the pass; the backend then reads its records back.
@@ -601,9 +603,7 @@ def report(compiled: Any) -> Report:
             )
     report = _report(found, graphs)
     if isinstance(orig, torch.nn.Module):
-        report.uncaptured_weights = [
-            name for name, p in orig.named_parameters() if p.dim() >= 2 and found.params_seen.get(id(p)) is not p
-        ]  # fmt: skip
+        report.uncaptured = find_uncaptured(orig, lambda name, p: found.params_seen.get(id(p)) is p)
     return report
 
 

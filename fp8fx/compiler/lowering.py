@@ -1,12 +1,16 @@
 """What Inductor compiles in place of fp8fx's elementwise ops (and, on CPU, its emulated GEMMs).
 
-The FP8 passes keep every amax -> scale -> cast step an explicit `fp8fx::` node: the partitioner
-sees FP8 copies worth saving (not chains to recompute), and the report reads the decisions off
-them. Once a graph is partitioned, Inductor gets those nodes as the ATen ops they compute, so it
-fuses them like its own: an amax into the kernel that reads its tensor, a scale into a few scalar
-ops of the kernels that read it, a cast into one pass that reads the high-precision tensor once.
-Only the GEMMs (and what must call back into Python: delayed-scaling state, taps, grouped and
-NVFP4 ops) stay opaque.
+The FP8 passes keep every amax -> scale -> cast step an explicit `fp8fx::` node, and the report
+reads the decisions off them. Under Inductor, the joint graph's amaxes, scales and casts become
+ATen ops before it is partitioned (`lower_casts`), so min-cut weighs them as it weighs torchao's:
+it saves an FP8 copy where that is the cheapest tensor to keep, and casts again in backward where
+the high-precision tensor is kept anyway (a rowwise weight gradient's operand, cast along the
+tokens, is then never saved). Once a graph is partitioned, Inductor gets the rest of those nodes
+as the ATen ops they compute too, so it fuses them like its own: an amax into the kernel that reads
+its tensor, a scale into a few scalar ops of the kernels that read it, a cast into one pass that
+reads the high-precision tensor once. Only the GEMMs, the scale inverses, the BF16 copies of saved
+outputs (and what must call back into Python: delayed-scaling state, taps, grouped and NVFP4 ops)
+stay opaque.
 
 Where a GEMM would run the exact CPU emulation (CPU tensors, not a generated kernel under Triton's
 interpreter), it too becomes ATen ops: the upcast of its FP8 operands, an fp32 `mm`, the scaling
@@ -118,7 +122,7 @@ EMULATED_GEMMS = (fp8fx_ops.scaled_mm.default.name(), fp8fx_ops.fp8_gemm.default
 _ELEMENTWISE = (fp8fx_ops.amax.default, fp8fx_ops.cast.default, fp8fx_ops.saved_copy.default)
 
 
-def _lowering_meta(graph: fx.Graph) -> dict[fx.Node, dict]:
+def _lowering_meta(graph: fx.Graph, targets=LOWERED) -> dict[fx.Node, dict]:
     """The meta each lowered node's decomposition gets: `LOWERED_FROM`; for an amax, cast or saved copy, `CHARGED_TO` the first (in graph order) FP8 GEMM its value
     reaches, or, for a saved copy, the GEMM whose output it copies."""
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -137,9 +141,11 @@ def _lowering_meta(graph: fx.Graph) -> dict[fx.Node, dict]:
             ann = annotation(min(found, key=order.__getitem__))
             charges[node] = {CHARGED_TO: (ann.site, ann.role)}
     for node in graph.nodes:
-        if node.target in LOWERED:  # (only the nodes lowered take it)
+        if node.target in targets:  # (only the nodes lowered take it, and their checkpoint tag: weight_fp8="recompute")
             charges.setdefault(node, {})[LOWERED_FROM] = node.target.name()
-    return charges
+            if "recompute" in node.meta:
+                charges[node]["recompute"] = node.meta["recompute"]
+    return {n: m for n, m in charges.items() if n.target in targets}
 
 
 def lower_elementwise(gm: fx.GraphModule, kept_whole: dict) -> int:
@@ -154,10 +160,28 @@ def lower_elementwise(gm: fx.GraphModule, kept_whole: dict) -> int:
     return replaced
 
 
+# Lowered before partitioning (a joint graph under Inductor): the dynamic-scaling cast chain.
+LOWERED_BEFORE_PARTITION = {op: LOWERED[op] for op in (fp8fx_ops.amax.default, fp8fx_ops.amax_to_scale.default, fp8fx_ops.cast.default)}
+
+
+def lower_casts(graph: fx.Graph, kept_whole: dict) -> int:
+    """Replace a joint graph's amax, amax-to-scale and cast nodes by the ATen ops they compute, so
+    that the partitioner can recompute a cast in backward (see the module's docstring); returns
+    how many. Their nodes carry the GEMM they are charged to, as after `lower_elementwise`."""
+    meta = _lowering_meta(graph, LOWERED_BEFORE_PARTITION)
+    return decompose_nodes(graph, LOWERED_BEFORE_PARTITION, also=kept_whole, meta=meta)
+
+
 def operand_numels(gm: fx.GraphModule) -> list[int]:
-    """Elements of each tensor the graph casts to FP8 (static shapes only), before lowering."""
-    casts = [n for n in gm.graph.nodes if n.target is fp8fx_ops.cast.default]
-    return [n for n in (c.args[0].meta["val"].numel() for c in casts) if isinstance(n, int)]
+    """Elements of each tensor the graph casts to FP8 (static shapes only): an fp8fx cast's input,
+    or the FP8 value a cast lowered before partitioning wrote."""
+    cast = fp8fx_ops.cast.default
+    numels = [n.args[0].meta["val"].numel() for n in gm.graph.nodes if n.target is cast]
+    numels += [
+        n.meta["val"].numel() for n in gm.graph.nodes
+        if n.meta.get(LOWERED_FROM) == cast.name() and getattr(n.meta.get("val"), "dtype", None) in FP8_DTYPES
+    ]  # fmt: skip
+    return [n for n in numels if isinstance(n, int)]
 
 
 def lay_out_operands(gm: fx.GraphModule) -> set[tuple[str, str]]:

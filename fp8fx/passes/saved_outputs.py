@@ -105,6 +105,12 @@ def saved_outputs(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     return PassResult(gm, modified=modified)
 
 
+def _constant(node: fx.Node) -> bool:
+    """A node that makes a tensor from nothing and the same each time (a `full`), which may move."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded not in target.tags
+
+
 def recompute_at_first_use(gm: fx.GraphModule) -> None:
     """Move the forward ops a backward graph recomputes from saved values (the replicas above,
     min-cut's own recomputation) to just before their first use, and recompile `gm`.
@@ -117,9 +123,9 @@ def recompute_at_first_use(gm: fx.GraphModule) -> None:
     saved = {n for n in graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")}
     lazy: set[fx.Node] = set()
     for node in graph.nodes:
-        inputs = node.all_input_nodes
-        if node.op == "call_function" and inputs and not node.is_impure() and all(a in saved or a in lazy for a in inputs):
-            lazy.add(node)
+        if node.op == "call_function" and not node.is_impure() and all(a in saved or a in lazy for a in node.all_input_nodes):
+            if node.all_input_nodes or _constant(node):
+                lazy.add(node)
     order: list[fx.Node] = []
     emitted: set[fx.Node] = set()
     for node in list(graph.nodes):
