@@ -4,7 +4,9 @@
 #    variant in its own process, with a profile of one step and Inductor's code (llama_code.tgz);
 # 2. fp8fx selftest --quick (kernels against the CPU reference, GEMM timings, the dispatch table),
 #    when SELFTEST_S > 0.
-# LLAMA_S and SELFTEST_S bound each stage in seconds; VARIANTS picks llama_gpu.py's variants.
+# LLAMA_S and SELFTEST_S bound each stage in seconds; VARIANTS picks llama_gpu.py's variants,
+# LLAMA_ARGS adds options (e.g. "--model gpt3-6.7b --seq 2048"), TAG names this stage's files
+# (llama_gpu_<TAG>.json ...) so that several stages can write to one $OUT.
 # torchao (not in every GPU image) is installed from wheels in .whl/ when that folder exists.
 set -u
 out=${OUT:-gpu-out}
@@ -17,9 +19,11 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # fp8fx from this checkout
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee "$out/gpu.txt"
 variants=${VARIANTS:-bf16,fp8fx-tensorwise-auto,torchao-tensorwise,fp8fx-rowwise-auto,torchao-rowwise,fp8fx-tensorwise-scaled_mm}
-timeout "${LLAMA_S:-420}" python3 bench/llama_gpu.py --variants "$variants" --timeout 120 --save-code /tmp/llama_code \
-    --json "$out/llama_gpu.json" 2>&1 | tee "$out/llama_gpu.log"
-tar czf "$out/llama_code.tgz" -C /tmp llama_code
+name=llama_gpu${TAG:+_$TAG}
+# shellcheck disable=SC2086  # LLAMA_ARGS is a list of options
+timeout "${LLAMA_S:-420}" python3 bench/llama_gpu.py ${LLAMA_ARGS:-} --variants "$variants" --timeout 120 --save-code "/tmp/$name" \
+    --json "$out/$name.json" 2>&1 | tee "$out/$name.log"
+tar czf "$out/${name}_code.tgz" -C /tmp "$name"
 if [ "${SELFTEST_S:-0}" -gt 0 ]; then
     timeout "$SELFTEST_S" python3 -m fp8fx selftest --quick --out "$out/selftest.json" 2>&1 | tail -40 | tee "$out/selftest.log"
 fi

@@ -1,14 +1,17 @@
 """Training steps of a `transformers` Llama on a GPU: fp8fx per recipe and kernel choice, beside BF16
 torch.compile and torchao float8 (tensorwise, rowwise).
 
-Run: python bench/llama_gpu.py [--layers 2 --seq 4096 --batch 2] [--recipes tensorwise,rowwise]
+Run: python bench/llama_gpu.py [--model llama3-8b|gpt3-6.7b] [--layers 2 --seq 4096 --batch 2] [--recipes tensorwise,rowwise]
      [--kernels auto,triton,scaled_mm] [--inner inductor|eager] [--variants bf16,fp8fx-rowwise-auto]
      [--steps 10 --warmup 3] [--json out.json] [--save-code DIR]
      python bench/llama_gpu.py --device cpu --tiny --steps 2 --warmup 1 --inner eager   # smoke test
 
 The model is LlamaForCausalLM built from a LlamaConfig (no download), by default with Llama-3-8B's
 layer shapes (hidden 4096, MLP 14336, 32 heads, 8 KV heads, head dim 128), 2 layers, vocab 32768,
-BF16 weights, SDPA attention, batch 2 x seq 4096. Each step is forward with labels (the model's
+BF16 weights, SDPA attention, batch 2 x seq 4096. `--model gpt3-6.7b` builds GPT-3 6.7B's layer
+shapes instead (hidden 4096, MLP 16384 with GELU, 32 heads of 128, LayerNorm, biases, learned
+positions; vocab 50272) as transformers' OPTForCausalLM, whose projections are nn.Linear as
+torchao needs. Each step is forward with labels (the model's
 cross-entropy), backward and an AdamW (or SGD) step; every variant gets the same init and the
 same random token batches. Each variant runs in its own process (`--child`), with a fresh Inductor
 and Triton cache directory, so compiles are cold and a crash, an OOM or a timeout only fails its
@@ -24,7 +27,9 @@ attention), in every variant alike.
 
 Variant names: bf16 (the baseline in --dtype, without FP8), torchao-tensorwise, torchao-rowwise,
 fp8fx-<recipe>-<kernels>, and fp8fx-<recipe>-<kernels>-recompute (backend option weight_fp8="recompute":
-backward casts the weights again instead of keeping their FP8 copies from forward).
+backward casts the weights again instead of keeping their FP8 copies from forward). Any name may end
+in -cudagraphs: Inductor then runs the compiled graphs as CUDA graphs (its `triton.cudagraphs`
+option, what mode="reduce-overhead" sets; no effect on CPU or with --inner eager).
 Output: a Markdown table on stdout, progress on stderr, JSON to --json (default $OUT/llama_gpu.json
 when OUT is set). Exit code 0 when every variant not skipped ran, 1 otherwise, 2 without a CUDA GPU.
 On CPU (--device cpu) FP8 is emulated (torchao with emulate=True), steps are timed with
@@ -67,14 +72,18 @@ RECIPE_NEEDS = {"nvfp4": ("sm_100a", "needs sm_100 (Blackwell's FP4 tensor cores
 SHAPES = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "seq", "batch")
 LLAMA3_8B = dict(layers=2, hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=32768, seq=4096, batch=2)
 TINY = dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=128, seq=32, batch=2)
+GPT3_6_7B = dict(LLAMA3_8B, intermediate=16384, kv_heads=32, vocab=50272)  # OPT's vocabulary (a multiple of 16)
+MODELS = {"llama3-8b": LLAMA3_8B, "gpt3-6.7b": GPT3_6_7B}
+CUDAGRAPHS = "-cudagraphs"
 
 
 # --- variants and what this machine can run -----------------------------------------------------
 
 
 def parse_variant(name: str) -> tuple[str, str | None, str | None]:
-    """(kind, recipe, kernels) of a variant name: bf16 | torchao-<recipe> | fp8fx-<recipe>-<kernels>[-recompute]."""
-    parts = name.split("-")
+    """(kind, recipe, kernels) of a variant name: bf16 | torchao-<recipe> | fp8fx-<recipe>-<kernels>[-recompute],
+    any of them with -cudagraphs."""
+    parts = name.removesuffix(CUDAGRAPHS).split("-")
     if parts == ["bf16"]:
         return "bf16", None, None
     if len(parts) == 2 and parts[0] == "torchao" and parts[1] in TORCHAO_RECIPES:
@@ -83,7 +92,7 @@ def parse_variant(name: str) -> tuple[str, str | None, str | None]:
         return "fp8fx", parts[1], parts[2]
     raise ValueError(
         f"unknown variant {name!r}: bf16, torchao-{{{','.join(TORCHAO_RECIPES)}}} or "
-        f"fp8fx-<recipe>-<auto|triton|scaled_mm>[-recompute] with a recipe of {', '.join(RECIPES)}"
+        f"fp8fx-<recipe>-<auto|triton|scaled_mm>[-recompute], each optionally ending in {CUDAGRAPHS}, with a recipe of {', '.join(RECIPES)}"
     )
 
 
@@ -136,8 +145,18 @@ def environment(device: str) -> dict:
 
 
 def build_model(args, device: torch.device) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
+    if args.model == "gpt3-6.7b":
+        cfg = OPTConfig(
+            hidden_size=args.hidden, ffn_dim=args.intermediate, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+            word_embed_proj_dim=args.hidden, activation_function="gelu", vocab_size=args.vocab,
+            max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa", use_cache=False, dropout=0.0,
+        )  # fmt: skip
+        torch.manual_seed(args.seed)
+        with device:
+            model = OPTForCausalLM(cfg)
+        return model.to(getattr(torch, args.dtype)).train()
     cfg = LlamaConfig(
         hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
@@ -160,7 +179,7 @@ def compile_variant(model: torch.nn.Module, name: str, args):
     """The compiled model of a variant; torchao converts the model's Linears in place first."""
     kind, recipe, kernels = parse_variant(name)
     if kind == "fp8fx":
-        weight_fp8 = "recompute" if name.endswith("-recompute") else "keep"
+        weight_fp8 = "recompute" if name.removesuffix(CUDAGRAPHS).endswith("-recompute") else "keep"
         backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner=args.inner, kernels=kernels, weight_fp8=weight_fp8)
         return torch.compile(fp8fx.prepare(model), backend=backend)  # prepare: delayed recipes keep state there
     if kind == "torchao":
@@ -180,11 +199,14 @@ def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
 
 
 def train_step(compiled, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
+    torch.compiler.cudagraph_mark_step_begin()  # (with CUDA graphs: each step is a new iteration)
     loss = compiled(input_ids=tokens, labels=tokens).loss
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return loss.detach()  # read after the run: an .item() per step would stall the timed stream
+    # Read after the run (an .item() per step would stall the timed stream); a copy, since a CUDA
+    # graph's next replay overwrites its outputs.
+    return loss.detach().clone()
 
 
 def timed_steps(step, batches: list[torch.Tensor], cuda: bool) -> tuple[list[torch.Tensor], list[float]]:
@@ -210,6 +232,8 @@ def run_variant(name: str, args) -> dict:
     """Train one variant: losses, first-step and median step time, peak memory, fp8fx's report."""
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    if name.endswith(CUDAGRAPHS):
+        torch._inductor.config.triton.cudagraphs = True
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     model = build_model(args, device)
     batches = token_batches(args, device)
@@ -294,7 +318,7 @@ def child(args) -> None:
 
 def child_command(name: str, args, result: str) -> list[str]:
     """The child's command line: the resolved shapes and training options, never --tiny or --json."""
-    opts = [*SHAPES, "steps", "warmup", "inner", "device", "dtype", "optimizer", "lr", "seed", "save_code"]
+    opts = ["model", *SHAPES, "steps", "warmup", "inner", "device", "dtype", "optimizer", "lr", "seed", "save_code"]
     flags = [x for key in opts if getattr(args, key) is not None for x in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]
     return [sys.executable, os.path.abspath(__file__), *flags, "--child", name, "--result", result]
 
@@ -391,7 +415,7 @@ def parent(args) -> int:
         write_json(args, env, rows)  # after each variant: a run cut short keeps what it measured
     add_ratios(rows)
     where = f"{env['gpu']} (sm_{env['capability'].replace('.', '')})" if env["gpu"] else "CPU"
-    print(f"Llama {args.layers} layers, hidden {args.hidden}, MLP {args.intermediate}, {args.heads} heads / {args.kv_heads} KV "
+    print(f"{args.model} shapes: {args.layers} layers, hidden {args.hidden}, MLP {args.intermediate}, {args.heads} heads / {args.kv_heads} KV "
           f"x {args.head_dim}, vocab {args.vocab}, batch {args.batch} x seq {args.seq}, {args.dtype}, {args.optimizer}; "
           f"{args.warmup} warm-up + {args.steps} timed steps, inner={args.inner}; {where}, torch {env['torch']}\n")  # fmt: skip
     print(markdown(rows))
@@ -409,8 +433,9 @@ def csv(text: str) -> list[str]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama3-8b", choices=list(MODELS), help="whose layer shapes (and architecture) the model has")
     for key in SHAPES:
-        ap.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"default {LLAMA3_8B[key]} ({TINY[key]} with --tiny)")
+        ap.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"default: --model's ({TINY[key]} with --tiny)")
     ap.add_argument("--tiny", action="store_true", help="a tiny Llama (hidden 64, seq 32, vocab 128) for a CPU smoke test")
     ap.add_argument("--steps", type=int, default=10, help="timed steps, after the warm-up steps")
     ap.add_argument("--warmup", type=int, default=3, help="warm-up steps, the first (compile) included; at least 1")
@@ -430,7 +455,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    defaults = TINY if args.tiny else LLAMA3_8B
+    defaults = TINY if args.tiny else MODELS[args.model]
     for key in SHAPES:
         if getattr(args, key) is None:
             setattr(args, key, defaults[key])
