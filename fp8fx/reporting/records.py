@@ -6,12 +6,15 @@ import json
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from fp8fx.passes.annotation import GemmAnnotation
+
+if TYPE_CHECKING:
+    from fp8fx.reporting.uncaptured import Uncaptured
 
 SCHEMA = "fp8fx.report/4"  # version of the to_dict()/JSON layout; bumped when a field changes meaning
 
@@ -255,9 +258,12 @@ class Report:
         self.target = None  # fp8fx.reporting.costmodel.GpuSpec the predictions are for
         self.step = None  # its fp8fx.reporting.costmodel.StepPrediction
         self.monitor = None  # fp8fx.runtime.monitor.Monitor of the compiled model, if it has one
-        # Matrix weights (2-D or more) of the reported model that no graph in use took: their
-        # products ran outside fp8fx (eager code, a Python loop Dynamo does not trace) or not yet.
-        self.uncaptured_weights: list[str] = []
+        # Modules of the reported model whose matrix weights no graph took: their products ran
+        # outside fp8fx (eager code, a Python loop Dynamo does not trace) or not yet.
+        self.uncaptured: list[Uncaptured] = []
+        # Set by fp8fx.analyze when the shape-only trace stopped at a data-dependent op: why, and
+        # that the shapes were traced on real tensors with random weights instead.
+        self.traced_on_real_tensors: str | None = None
 
     def with_predictions(self, target) -> Report:
         """This report with each GEMM's predicted BF16 and FP8 time on `target` (see
@@ -272,12 +278,17 @@ class Report:
             self.saved_bytes,
         )
         new.saved_bytes_high_precision = self.saved_bytes_high_precision
-        new.uncaptured_weights = list(self.uncaptured_weights)
+        new.uncaptured, new.traced_on_real_tensors = list(self.uncaptured), self.traced_on_real_tensors
         new.target, new.step = spec, costmodel.predict_step(self.ops, sum(self.non_gemm_bytes.values()), spec)
         return new
 
     def __len__(self) -> int:
         return len(self.ops)
+
+    @property
+    def uncaptured_weights(self) -> list[str]:
+        """Names of the matrix weights no compiled graph read (see `uncaptured`)."""
+        return [w for u in self.uncaptured for w in u.weights]
 
     @property
     def history(self) -> list[OpRecord]:
@@ -328,7 +339,9 @@ class Report:
                 if self.saved_bytes_high_precision is not None
                 else None
             ),
-            "uncaptured_weights": list(self.uncaptured_weights),
+            "uncaptured_weights": self.uncaptured_weights,
+            "uncaptured_modules": [asdict(u) for u in self.uncaptured],
+            "traced_on_real_tensors": self.traced_on_real_tensors,
             "target": self.target.name if self.target else None,
             "predicted_step_speedup": self.step.speedup if self.step else None,
             "predicted_gemm_speedup": self.step.gemm_speedup if self.step else None,
@@ -397,10 +410,11 @@ class Report:
             return "n/a" if x is None else f"{100 * x:.1f}%"
 
         superseded = f" ({s['superseded_graphs']} superseded graph(s) not counted)" if s["superseded_graphs"] else ""
+        missing = f" (not counting the GEMMs of {len(self.uncaptured)} module(s) no graph captured)" if self.uncaptured else ""
         lines = [
             (
                 f"{s['fp8_gemms']}/{s['gemms']} GEMMs in FP8 over {s['graphs']} graph(s){superseded}; "
-                f"FP8 share of GEMM FLOPs: forward {pct(s['fp8_flop_share_forward'])}, backward {pct(s['fp8_flop_share_backward'])}"
+                f"FP8 share of GEMM FLOPs: forward {pct(s['fp8_flop_share_forward'])}, backward {pct(s['fp8_flop_share_backward'])}{missing}"
             )
         ]
         for index, op in sorted(self.superseded_graphs().items()):
@@ -421,13 +435,12 @@ class Report:
             lines.append(
                 f"{s['gemms_without_flops']} GEMM(s) of dynamic or unknown dimensions (FLOP % '?') are not in the FP8 shares"
             )
-        if s["uncaptured_weights"]:
-            names = s["uncaptured_weights"]
-            shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-            lines.append(
-                f"{len(names)} weight(s) reached no compiled graph, so their products ran outside fp8fx in high precision "
-                f"(eager code or a loop Dynamo does not trace), or have not run: {shown}"
-            )
+        if self.uncaptured:
+            from fp8fx.reporting.uncaptured import grouped
+
+            lines += [f"not captured: {u.text(copies)}" for u, copies in grouped(self.uncaptured)]
+        if self.traced_on_real_tensors:
+            lines.append(f"shapes traced on real tensors with random weights: {self.traced_on_real_tensors}")
         if s["non_finite_amax_events"]:
             lines.append("non-finite amax (scale kept): " + ", ".join(f"{k} {v}" for k, v in s["non_finite_amax_events"].items()))
         if s["folded_blocks"]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -28,7 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 from torch._dynamo.exc import TorchDynamoException
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from fp8fx.compiler.backend import backend as make_backend
 from fp8fx.compiler.backend import report as report_of
@@ -36,6 +44,7 @@ from fp8fx.compiler.state import prepare
 from fp8fx.core.patterns import BY_KIND, POLICY_KINDS
 from fp8fx.core.policy import Policy, Rule
 from fp8fx.reporting.records import Report, has_values
+from fp8fx.reporting.uncaptured import eager_experts, grouped
 from fp8fx.runtime.numerics import NumericsCollector, collecting
 
 _BUILD_HINT = "add `def build_model(): return MyModel(...)` (built on the meta device: no weights) or a module-level `model = MyModel(...)`"
@@ -47,7 +56,7 @@ class ModelFileError(Exception):
 
 
 class CoverageError(AssertionError):
-    """FP8 covers less of the GEMM FLOPs than required."""
+    """FP8 covers less of the GEMM FLOPs than required, or GEMMs ran outside every graph."""
 
 
 @dataclass
@@ -347,16 +356,86 @@ def analyze(
     example_inputs = _fake_cpu_if_meta(model, example_inputs)
     if policy.uses_delayed_scaling:
         prepare(model)  # delayed scaling keeps its state in the model
-    report = _traced(model, example_inputs, policy, train, loss_fn, fold_repeated, progress, "analysis")
+    shape_only = not all(has_values(t) for t in (*model.parameters(), *model.buffers(), *example_inputs))
+    experts = next((f"{name!r} ({type(m).__name__})" for name, m in model.named_modules() if eager_experts(m)), None)
+    why = f"transformers' eager experts in module {experts} loop over data-dependent indices" if shape_only and experts else None
+    if why:  # known to stop a shape-only trace: not worth tracing up to it first
+        example_inputs = _real_tensors(model, example_inputs, why)
+    try:
+        report = _traced(model, example_inputs, policy, train, loss_fn, fold_repeated, progress, "analysis")
+    except Exception as e:  # noqa: BLE001 - only a data-dependent op of a shape-only trace is handled
+        why = _data_dependent(model, example_inputs, e)
+        if why is None:
+            raise
+        example_inputs = _real_tensors(model, example_inputs, why)
+        report = _traced(model, example_inputs, policy, train, loss_fn, fold_repeated, progress, "analysis")
+    report.traced_on_real_tensors = why
     if train:  # what the same step saves for backward with every GEMM in high precision
         high = Policy(policy.defaults, (Rule(match="*", precision="high"),))
-        report.saved_bytes_high_precision = sum(_traced(model, example_inputs, high, train, loss_fn, fold_repeated, progress, "baseline").saved_bytes.values())
+        baseline = _traced(model, example_inputs, high, train, loss_fn, fold_repeated, progress, "baseline").saved_bytes
+        report.saved_bytes_high_precision = sum(baseline.values()) if baseline is not None else None  # None: no training graph
     if calibration is not None:
         collector = NumericsCollector()
         _compile_and_run(model, calibration, policy, train, loss_fn, collector, progress, "numerics")
         measured = collector.results()
         report.ops = [replace(op, numerics=measured.get((op.graph, op.site, op.role))) for op in report.ops]
     return report
+
+
+def _data_dependent(model: nn.Module, inputs: tuple, e: BaseException) -> str | None:
+    """Why a shape-only trace stopped, when it stopped at an op whose output shape or value
+    depends on the data (`nonzero`, `.item()`, a loop over them): fake tensors hold no values."""
+    if all(has_values(t) for t in (*model.parameters(), *model.buffers(), *inputs)):
+        return None
+    found = e
+    while found is not None and not isinstance(found, (DynamicOutputShapeException, DataDependentOutputException, GuardOnDataDependentSymNode)):
+        found = _wrapped(found)
+    if found is None:
+        return None
+    module = failing_module(model, inputs)
+    return f"the shape-only trace stopped at {error_summary(found)}" + (f" in module {module}" if module else "")
+
+
+def _real_tensors(model: nn.Module, inputs: tuple, why: str) -> tuple:
+    """Give a shape-only model real CPU tensors in place (random weights, ties kept; buffers of ones,
+    integer ones of zeros) and return real inputs (random floats; integers and booleans all 1,
+    a valid index and an unmasked position), so the model runs as a compile would see it."""
+    state = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    if 2 * size > free:
+        raise ModelFileError(
+            f"fp8fx.analyze: {why}, and running it on real tensors needs {size / 2**30:.1f} GiB, over half the free memory; "
+            "analyse a smaller configuration of the model, or replace the data-dependent code (for transformers' "
+            'experts: experts_implementation="grouped_mm")'
+        )
+    generator = torch.Generator().manual_seed(0)
+    made: dict[int, torch.Tensor] = {}
+
+    def real(t: torch.Tensor, param: bool) -> torch.Tensor:
+        if id(t) not in made:
+            with unset_fake_temporarily():
+                if t.is_floating_point():
+                    values = torch.randn(t.shape, generator=generator).mul_(0.02) if param else torch.ones(t.shape)
+                else:
+                    values = torch.ones(t.shape) if param else torch.zeros(t.shape)
+                values = values.to(t.dtype)
+            made[id(t)] = nn.Parameter(values, t.requires_grad) if param else values
+        return made[id(t)]
+
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is not None:
+                module._parameters[key] = real(p, True)
+        for key, b in module._buffers.items():
+            if b is not None:
+                module._buffers[key] = real(b, False)
+    with unset_fake_temporarily():
+        return tuple(
+            t if has_values(t) else
+            (torch.randn(t.shape, generator=generator) if t.is_floating_point() else torch.ones(t.shape)).to(t.dtype).requires_grad_(t.requires_grad)
+            for t in inputs
+        )  # fmt: skip
 
 
 def _traced(model, example_inputs, policy, train, loss_fn, fold_repeated, progress, stage) -> Report:
@@ -402,15 +481,30 @@ def _traced(model, example_inputs, policy, train, loss_fn, fold_repeated, progre
         non_gemm_bytes=unfolded(report.non_gemm_bytes),
         saved_bytes=unfolded(report.saved_bytes) if report.saved_bytes is not None else None,
     )
-    out.uncaptured_weights = [*unfolded(dict.fromkeys(report.uncaptured_weights, 0))]
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    found = [*report.uncaptured]
+    for u in report.uncaptured:
+        for name, _, _, blocks in folded:
+            if copies(name, blocks, u.module):
+                found += [u.renamed(f"{name}.0", f"{name}.{i}") for i in range(1, len(blocks))]
+    out.uncaptured = sorted(found, key=lambda u: order.get(u.module, -1))
     return out
 
 
 def assert_coverage(report: Report, min_fp8_flop_share: float) -> None:
-    """Raise CoverageError if FP8 runs less than `min_fp8_flop_share` of all GEMM FLOPs."""
+    """Raise CoverageError if FP8 runs less than `min_fp8_flop_share` of all GEMM FLOPs, or (for
+    any share above 0) if GEMMs ran outside every compiled graph, which no share counts."""
     total = sum(op.flops for op in report.ops)
     share = sum(op.flops for op in report.fp8_ops) / total if total else 0.0
+    if report.uncaptured and min_fp8_flop_share > 0:
+        modules = [u.module for u in report.uncaptured]
+        named = ", ".join(modules[:5]) + (f" and {len(modules) - 5} more" if len(modules) > 5 else "")
+        raise CoverageError(
+            f"the GEMMs of {named} ran outside every compiled graph, in high precision, and no FP8 share counts them "
+            f"(FP8 covers {100 * share:.1f}% of the GEMM FLOPs captured): " + "; ".join(u.text(n) for u, n in grouped(report.uncaptured))
+        )
     if share < min_fp8_flop_share:
         high = sorted(report.high_ops, key=lambda op: -op.flops)[:5]
         biggest = ", ".join(f"{op.site}.{op.role} ({op.reason_kind}: {op.reason})" for op in high)
         raise CoverageError(f"FP8 covers {100 * share:.1f}% of GEMM FLOPs, below the required {100 * min_fp8_flop_share:.1f}%; largest high-precision GEMMs: {biggest}")
+

@@ -244,3 +244,87 @@ def test_table_marks_slower_gemms(tmp_path):
     assert result.exit_code == 0, result.output
     text = out.read_text()
     assert "fp8/bf16 x" in text and "!" in text and "predicted on h100-sxm" in text
+
+
+MIXTRAL_FILE = """
+import torch
+from transformers import MixtralConfig, MixtralForCausalLM
+
+
+def build_model():
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32, use_cache=False, experts_implementation="{impl}",
+    ))
+
+
+def example_inputs():
+    return (torch.randint(0, 64, (1, 8)),)
+"""
+
+
+def _mixtral_file(tmp_path, impl: str) -> Path:
+    path = tmp_path / f"mixtral_{impl}.py"
+    path.write_text(MIXTRAL_FILE.format(impl=impl))
+    return path
+
+
+def test_eager_experts_are_analysed_on_real_tensors_and_reported_not_captured(tmp_path):
+    from fp8fx.reporting.uncaptured import EAGER_EXPERTS_FIX
+
+    loaded = fp8fx.load_model_file(_mixtral_file(tmp_path, "eager"))
+    report = fp8fx.analyze(loaded.model, loaded.example_inputs, train=True)
+    experts = "model.layers.0.mlp.experts"
+    assert [(u.module, u.kind, u.fix) for u in report.uncaptured] == [(experts, "MixtralExperts", EAGER_EXPERTS_FIX)]
+    assert report.traced_on_real_tensors == f"transformers' eager experts in module '{experts}' (MixtralExperts) loop over data-dependent indices"
+    # What a compile of the same model says (test_uncaptured compiles it): every GEMM but the experts'.
+    assert (len(report.fp8_ops), len(report.ops)) == (15, 20) and not any(".experts" in op.fqn for op in report.ops)
+    with pytest.raises(fp8fx.CoverageError, match=experts):
+        fp8fx.assert_coverage(report, 0.5)
+
+
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+def test_fail_under_fails_on_experts_no_graph_captured(tmp_path, impl):
+    result = run("analyze", _mixtral_file(tmp_path, impl), "--format", "json", "--fail-under", "0.5")
+    if impl == "eager":
+        assert result.exit_code == 1, result.output
+        assert "error: the GEMMs of model.layers.0.mlp.experts ran outside every compiled graph" in result.output
+        assert 'set experts_implementation="grouped_mm"' in result.output
+    else:
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.stdout)
+        assert report["summary"]["uncaptured_modules"] == [] and report["summary"]["traced_on_real_tensors"] is None
+        experts = [op for op in report["ops"] if op["fqn"] == "model.layers.0.mlp.experts"]
+        assert len(experts) == 2 and all(op["op"] == "grouped_mm" and op["precision"] == "fp8" for op in experts)
+
+
+class Routed(torch.nn.Module):
+    """Each token through the matrix its router picks, in a loop over the picks made (data-dependent)."""
+
+    def __init__(self, d=32, choices=16):
+        super().__init__()
+        self.router = torch.nn.Linear(d, choices)
+        self.weight = torch.nn.Parameter(torch.randn(choices, d, d) / d**0.5)
+
+    def forward(self, x):
+        scores = self.router(x).softmax(-1)
+        choice = scores.argmax(-1)
+        out = torch.zeros_like(x)
+        for i in choice.unique():
+            rows = (choice == i).nonzero().squeeze(-1)
+            out = out.index_add(0, rows, x[rows] @ self.weight[i].T)
+        return out * scores.amax(-1, keepdim=True)
+
+
+def test_a_data_dependent_loop_is_traced_on_real_tensors():
+    with torch.device("meta"):
+        model = Routed()
+    report = fp8fx.analyze(model, (torch.randn(16, 32, device="meta"),), train=True)
+    assert report.traced_on_real_tensors == "the shape-only trace stopped at DynamicOutputShapeException: aten._unique2.default"
+    assert sorted(op.role for op in report.ops if op.fqn == "router") == ["grad_weight", "output"]
+    assert report.uncaptured_weights == ["weight"]
+    assert "not captured: <root> (Routed): 1 weight parameter never read by a compiled graph" in report.table()
+    compiled = torch.compile(Routed(), backend=fp8fx.backend(inner="eager"))
+    compiled(torch.randn(16, 32)).sum().backward()
+    assert [r[:-1] for r in _records(fp8fx.report(compiled))] == [r[:-1] for r in _records(report)]  # epilogues: Inductor's in analyze
+    assert fp8fx.report(compiled).uncaptured == report.uncaptured
