@@ -105,6 +105,10 @@ def _summary(s: dict, superseded: list[dict]) -> str:
     if s.get("fp8_saved_activation_bytes") is not None:
         of = f" of {mib(s['saved_for_backward_bytes'])} saved for backward" if s.get("saved_for_backward_bytes") else ""
         rows.append(("Activation memory FP8 saves", mib(s["fp8_saved_activation_bytes"]) + of))
+    for u in s.get("uncaptured_modules") or ():  # GEMMs outside every graph: in no share above
+        rows.append((f"Not captured: {u['module'] or '<root>'} ({u['kind']})", "; ".join(filter(None, (", ".join(u["weights"]), u["cause"], u["fix"])))))
+    if s.get("traced_on_real_tensors"):
+        rows.append(("Shapes traced on real tensors", s["traced_on_real_tensors"]))
     if s.get("folded_blocks"):
         rows.append(("Repeated blocks traced once", ", ".join(f"{k} ×{v}" for k, v in s["folded_blocks"].items())))
     if s.get("fused_epilogues") is not None:

@@ -413,6 +413,8 @@ def _real_tensors(model: nn.Module, inputs: tuple, why: str) -> tuple:
     made: dict[int, torch.Tensor] = {}
 
     def real(t: torch.Tensor, param: bool) -> torch.Tensor:
+        if has_values(t):
+            return t
         if id(t) not in made:
             with unset_fake_temporarily():
                 if t.is_floating_point():

@@ -81,6 +81,7 @@ def _tiny_mixtral(impl: str):
 
 
 def test_eager_experts_are_reported_with_the_fix_and_fail_coverage():
+    from fp8fx.reporting.html import render_html
     from fp8fx.reporting.uncaptured import EAGER_EXPERTS, EAGER_EXPERTS_FIX, Uncaptured
 
     compiled = torch.compile(_tiny_mixtral("eager"), backend=fp8fx.backend(inner="eager"))
@@ -96,6 +97,7 @@ def test_eager_experts_are_reported_with_the_fix_and_fail_coverage():
     assert lines[0].endswith("(not counting the GEMMs of 1 module(s) no graph captured)")
     assert f'not captured: {experts} (MixtralExperts): 2 weight parameters never read by a compiled graph: {EAGER_EXPERTS}; {EAGER_EXPERTS_FIX}' in lines
     assert (len(report.fp8_ops), len(report.ops)) == (15, 20) and not any(".experts" in op.fqn for op in report.ops)
+    assert f"Not captured: {experts} (MixtralExperts)" in render_html(report.to_dict())
     with pytest.raises(fp8fx.CoverageError, match=rf"the GEMMs of {experts} ran outside every compiled graph"):
         fp8fx.assert_coverage(report, 0.5)
 
