@@ -12,7 +12,9 @@ before the first compile: its values wait until the buffers are created.
 
 from __future__ import annotations
 
+import copy
 import weakref
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,8 +51,16 @@ class Fp8State(nn.Module):
         self.amax_group = None  # torch.distributed group the amaxes are reduced over (None: default)
 
     def ensure(self, key: str, history_len: int, device: torch.device) -> DelayedScalingState:
-        name = _module_name(key)
-        if name not in self.states:
+        return self._ensure(_module_name(key), history_len, device, key)
+
+    def _ensure(self, name: str, history_len: int, device: torch.device, key: str) -> DelayedScalingState:
+        found = self.states[name] if name in self.states else None
+        if found is not None and found.amax_history.numel() != history_len:
+            raise ValueError(
+                f"fp8fx: delayed-scaling state {key} has an amax history of {found.amax_history.numel()}, this compile's "
+                f"policy needs {history_len}: prepare the model with the policy it is compiled with"
+            )
+        if found is None:
             state = DelayedScalingState(history_len).to(device)
             prefix = f"states.{name}."
             for buf in BUFFERS:
@@ -74,7 +84,13 @@ class Fp8State(nn.Module):
         for key, value in items.items():
             name, _, buf = key.removeprefix("states.").partition(".")
             if name in self.states and buf in BUFFERS:
-                getattr(self.states[name], buf).copy_(value)
+                target = getattr(self.states[name], buf)
+                if target.shape != value.shape:
+                    raise ValueError(
+                        f"fp8fx: checkpoint state {name}.{buf} has shape {tuple(value.shape)}, the model's state has "
+                        f"{tuple(target.shape)} (amax_history_len changed?)"
+                    )
+                target.copy_(value)
             else:
                 self._pending[key] = value.detach().clone()
 
@@ -82,13 +98,28 @@ class Fp8State(nn.Module):
 _PREPARED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
-def prepare(model: nn.Module, amax_group=None) -> nn.Module:  # noqa: ANN001 - a ProcessGroup
+def prepare(
+    model: nn.Module,
+    amax_group=None,  # noqa: ANN001 - a ProcessGroup
+    *,
+    policy: Any = None,
+    example_inputs: tuple | None = None,
+) -> nn.Module:
     """Give `model` a place for fp8fx's delayed-scaling state, saved in its `state_dict`. Returns it.
 
-    Call before `torch.compile` and before `load_state_dict` of a checkpoint that holds state.
-    Under torch.distributed, every amax is reduced (max) across `amax_group` before it updates a
+    Call before `torch.compile` and before loading a checkpoint that holds state. Under
+    torch.distributed, every amax is reduced (max) across `amax_group` before it updates a
     scale, so all ranks use the same scales, as TransformerEngine's `reduce_amax`; the default is
-    the default process group, which must be the data-parallel one."""
+    the default process group, which must be the data-parallel one.
+
+    With `policy` (a `Policy`, a policy file, or the `Fp8fxBackend` the model is compiled with) and
+    `example_inputs` (the model's positional inputs; only their shapes and dtypes matter), the
+    states are created now, on the parameters' device: the same passes run on a shape-only trace of
+    a copy of the model, forward and backward, so `model.state_dict()` holds every state key before
+    the first step, and loaders that fill only the keys a model has (torch.distributed.checkpoint)
+    restore them. Without them, the states are created when the model is first compiled."""
+    if (policy is None) != (example_inputs is None):
+        raise ValueError("fp8fx.prepare: give both policy and example_inputs to create the states now, or neither")
     state = model.__dict__.get(STATE_ATTR)
     if state is None:
         state = Fp8State()
@@ -106,7 +137,54 @@ def prepare(model: nn.Module, amax_group=None) -> nn.Module:  # noqa: ANN001 - a
         model.register_load_state_dict_pre_hook(load)
     state.amax_group = amax_group
     _PREPARED.add(model)
+    if example_inputs is not None:
+        device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
+        if device.type == "meta":
+            raise ValueError("fp8fx.prepare: the model is on the meta device; create the states after it gets its real device")
+        for name, history_len in _states_needed(model, policy, example_inputs).items():
+            state._ensure(name, history_len, device, name)
     return model
+
+
+def _states_needed(model: nn.Module, policy: Any, example_inputs: Any) -> dict[str, int]:
+    """The states a compile of `model` with `policy` creates (name -> history length), found by
+    compiling a copy of it whose parameters are fake tensors (no memory, no values) and running
+    one forward and backward on fake inputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fp8fx.compiler.backend import Fp8fxBackend
+    from fp8fx.tools.analyze import _default_loss
+
+    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
+    if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
+        raise TypeError(f"fp8fx.prepare: example_inputs must be a tensor or a tuple of tensors, got {type(example_inputs).__name__}")
+    if isinstance(policy, Fp8fxBackend):  # the settings that decide which casts exist; eager: nothing to generate
+        given = policy
+        options = dict(fuse_epilogues=given.fuse_epilogues, saved_outputs=given.saved_outputs, weight_fp8=given.weight_fp8)
+        backend = Fp8fxBackend(given.policy, inner="eager", **options)
+        backend.overrides = dict(given.overrides)
+    else:
+        backend = Fp8fxBackend(policy, inner="eager")
+    if not backend.policy.uses_delayed_scaling:
+        return {}
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    memo: dict[int, Any] = {id(model.__dict__[STATE_ATTR]): Fp8State()}  # the copy gets a state of its own
+    for t in {id(t): t for t in (*model.parameters(), *model.buffers())}.values():
+        fake = mode.from_tensor(t.detach())
+        memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+    shadow = copy.deepcopy(model, memo)
+    for module in shadow.modules():
+        module._compiled_call_impl = None  # a block compiled in place would run the original's code
+    prepare(shadow)
+    fake_inputs = [mode.from_tensor(t) for t in inputs]
+    try:
+        with torch.enable_grad():
+            loss = _default_loss(torch.compile(shadow, backend=backend)(*fake_inputs))
+            if loss.requires_grad:
+                loss.backward()  # the gradients' casts have states too
+    finally:
+        torch._dynamo.reset()  # the trace compiled a throwaway copy of the model's code
+    return {name: s.amax_history.numel() for name, s in shadow.__dict__[STATE_ATTR].states.items()}
 
 
 def _parameter_names(model: nn.Module) -> dict[int, str]:
