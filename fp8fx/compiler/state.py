@@ -113,7 +113,7 @@ def prepare(
     the default process group, which must be the data-parallel one.
 
     With `policy` (a `Policy`, a policy file, or the `Fp8fxBackend` the model is compiled with) and
-    `example_inputs` (the model's positional inputs; only their shapes and dtypes matter), the
+    `example_inputs` (the model's positional inputs; of tensors only shapes and dtypes matter), the
     states are created now, on the parameters' device: the same passes run on a shape-only trace of
     a copy of the model, forward and backward, so `model.state_dict()` holds every state key before
     the first step, and loaders that fill only the keys a model has (torch.distributed.checkpoint)
@@ -156,8 +156,8 @@ def _states_needed(model: nn.Module, policy: Any, example_inputs: Any) -> dict[s
     from fp8fx.tools.analyze import _default_loss
 
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
-    if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
-        raise TypeError(f"fp8fx.prepare: example_inputs must be a tensor or a tuple of tensors, got {type(example_inputs).__name__}")
+    if not isinstance(inputs, (tuple, list)) or not any(isinstance(t, torch.Tensor) for t in inputs):
+        raise TypeError(f"fp8fx.prepare: example_inputs must be a tensor or a tuple of the model's positional inputs, got {example_inputs!r:.80}")
     if isinstance(policy, Fp8fxBackend):  # the settings that decide which casts exist; eager: nothing to generate
         given = policy
         options = dict(fuse_epilogues=given.fuse_epilogues, saved_outputs=given.saved_outputs, weight_fp8=given.weight_fp8)
@@ -176,7 +176,7 @@ def _states_needed(model: nn.Module, policy: Any, example_inputs: Any) -> dict[s
     for module in shadow.modules():
         module._compiled_call_impl = None  # a block compiled in place would run the original's code
     prepare(shadow)
-    fake_inputs = [mode.from_tensor(t) for t in inputs]
+    fake_inputs = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in inputs]  # None, flags: as given
     try:
         with torch.enable_grad():
             loss = _default_loss(torch.compile(shadow, backend=backend)(*fake_inputs))

@@ -49,8 +49,11 @@ Dynamic scales are computed inside each compiled step; delayed-scaling amax hist
 are updated inside the compiled graph (each block gets a place for them with `fp8fx.prepare`);
 there is no FP8 weight copy to refresh after `optimizer.step()`, which is what torchao's float8
 uses that hook for under FSDP. Delayed-scaling state is in the model's state dict from the first
-step on, so torchtitan's checkpoints hold it; a resumed job starts it afresh, because the state
-does not exist yet when torchtitan's checkpointer loads (it loads only the keys the model has).
+step on, so torchtitan's checkpoints hold it. torchtitan's checkpointer loads only the keys the
+model has, so to resume it call `create_states(model, batch_size, seq_len)` after the model has
+its device and weights and before the checkpoint loads: each converted block's states are created
+from a shape-only trace (`fp8fx.prepare` with example inputs). Without it a resumed job starts
+the state afresh. The trace passes no attention masks: SDPA blocks, not FlexAttention ones.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ from torchtitan.config.override import override
 from torchtitan.models.common.decoder import TransformerBlock
 from torchtitan.protocols.model import BaseModel
 
-__all__ = ["Fp8fxConverter", "backend_of", "report"]  # and `fp8fx`, the override, named by its path
+__all__ = ["Fp8fxConverter", "backend_of", "create_states", "report"]  # and `fp8fx`, the override, named by its path
 
 _block_classes: dict[type, type] = {}
 
@@ -230,3 +233,17 @@ def report(model: torch.nn.Module) -> Report:
             "torch.compile traced the blocks instead (torchtitan's compile.enable with activation checkpointing): turn that off"
         )
     return compiled_report(backend)
+
+
+def create_states(model: torch.nn.Module, batch_size: int, seq_len: int) -> None:
+    """Create the delayed-scaling states of `model`'s fp8fx blocks now (before a checkpoint loads),
+    from a shape-only trace of each block on `batch_size` sequences of `seq_len` tokens."""
+    backend = backend_of(model)
+    if not backend.policy.uses_delayed_scaling:
+        return
+    for block in model.modules():
+        if getattr(block, "_fp8fx_backend", None) is backend:
+            param = next(block.parameters())
+            x = torch.empty(batch_size, seq_len, block.attention_norm.weight.shape[0], dtype=param.dtype, device=param.device)
+            positions = torch.arange(seq_len, device=param.device).repeat(batch_size, 1)
+            prepare(block, policy=backend, example_inputs=(x, None, positions))  # forward(x, attention_masks, positions)

@@ -27,6 +27,8 @@ try:  # torchtitan 0.3 needs a newer torch than fp8fx's oldest (2.11: no fsdp.Da
 except ImportError as e:
     pytest.skip(f"torchtitan does not import with torch {torch.__version__}: {e}", allow_module_level=True)
 
+import torch.distributed.checkpoint as dcp
+from torchtitan.components.checkpointer.base import ModelWrapper
 from torchtitan.components.lora import LoRAConverter
 from torchtitan.config import CompileConfig, ConfigManager, ParallelismConfig
 from torchtitan.config.override import apply_overrides
@@ -37,7 +39,7 @@ from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.llama3 import model_registry
 
 import fp8fx
-from fp8fx.integrations.torchtitan import Fp8fxConverter, backend_of, report
+from fp8fx.integrations.torchtitan import Fp8fxConverter, backend_of, create_states, report
 
 BATCH, SEQ, VOCAB = 2, 64, 2048
 BLOCK_LINEARS = {"attention.qkv_linear.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"}
@@ -229,6 +231,44 @@ def test_delayed_scaling_state_lives_in_each_block_and_the_state_dict():
     assert scales[0] != scales[1] and all(s > 1 for s in scales)  # scaled from each block's own weight amaxes
     assert state[f"layers.0.{key}.steps"].item() == state[f"layers.1.{key}.steps"].item() == 2
     assert sum(k.endswith(".scale") for k in state if "fp8fx_state" in k) == 2 * 14  # 14 casts per block
+
+
+def test_delayed_scaling_resumes_through_torchtitans_model_state_and_dcp(tmp_path):
+    """torchtitan's checkpointer saves and loads the model through `ModelWrapper` with DCP, which
+    fills only the keys the model has: `create_states` gives them before the first step."""
+
+    def train(model, steps) -> list[float]:
+        losses = []
+        for i in steps:
+            losses.append(step(model, seed=i)[0])
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 1e-2 * p.grad  # SGD: no optimizer state to checkpoint beside the model
+                    p.grad = None
+        return losses
+
+    def resumed(states: bool) -> tuple[list[float], int]:
+        torch._dynamo.reset()
+        model = converted(recipe="delayed")
+        if states:
+            create_states(model, BATCH, SEQ)
+        wrapper = ModelWrapper(model)
+        target = {"model": wrapper.state_dict()}
+        dcp.load(target, checkpoint_id=tmp_path)
+        wrapper.load_state_dict(target["model"])
+        return train(model, range(1, 2)), sum("fp8fx_state" in k for k in target["model"])
+
+    model = converted(recipe="delayed")
+    create_states(model, BATCH, SEQ)
+    keys = {k for k in model.state_dict() if "fp8fx_state" in k}
+    assert len(keys) == 2 * 14 * 4  # 14 casts per block, 4 buffers each, before any step
+    train(model, range(1))
+    assert {k for k in model.state_dict() if "fp8fx_state" in k} == keys  # the compile used the states it found
+    dcp.save({"model": ModelWrapper(model).state_dict()}, checkpoint_id=tmp_path)
+    straight = train(model, range(1, 2))
+    assert resumed(True) == (straight, len(keys))
+    losses, loaded = resumed(False)
+    assert loaded == 0 and losses != straight  # without the states, the scales restart
 
 
 @pytest.mark.slow
