@@ -160,7 +160,7 @@ def lower_elementwise(gm: fx.GraphModule, kept_whole: dict) -> int:
     return replaced
 
 
-# Lowered before partitioning (a joint graph under Inductor): the dynamic-scaling cast chain.
+# Lowered before partitioning (a joint graph under Inductor): the amax -> scale -> cast chain.
 LOWERED_BEFORE_PARTITION = {op: LOWERED[op] for op in (fp8fx_ops.amax.default, fp8fx_ops.amax_to_scale.default, fp8fx_ops.cast.default)}
 
 

@@ -149,10 +149,16 @@ def test_weight_fp8_recompute_saves_no_fp8_weight_and_changes_no_gradient(inner)
 
 
 def test_weight_fp8_option_is_checked():
-    with pytest.raises(ValueError, match=r"weight_fp8 must be one of keep, recompute, got 'drop'"):
+    with pytest.raises(ValueError, match=r"weight_fp8 must be one of auto, keep, recompute, got 'drop'"):
         fp8fx.backend(weight_fp8="drop")
     with pytest.raises(ValueError, match=r"weight_fp8='recompute' needs dynamic scaling"):
         fp8fx.backend(fp8fx.Policy.from_recipe("delayed"), weight_fp8="recompute")
+
+
+@pytest.mark.parametrize("recipe, chosen", [("tensorwise", "recompute"), ("rowwise", "recompute"), ("delayed", "keep")])
+def test_weight_fp8_auto_recomputes_under_dynamic_scaling_only(recipe, chosen):
+    assert fp8fx.backend().weight_fp8 == "recompute"  # the default policy's dynamic scaling
+    assert fp8fx.backend(fp8fx.Policy.from_recipe(recipe)).weight_fp8 == chosen
 
 
 def test_weight_fp8_recompute_samples_each_weight_cast_once_per_step():
