@@ -68,9 +68,9 @@ class Captured:
         return sum(count(g, SCALED_MM) + count(g, FP8_GEMM) for g in self.forward + self.backward)
 
 
-def compile_captured(model: nn.Module, policy: fp8fx.Policy | None = None, **compile_kwargs) -> Captured:
+def compile_captured(model: nn.Module, policy: fp8fx.Policy | None = None, weight_fp8: str = "auto", **compile_kwargs) -> Captured:
     """`torch.compile(model, backend=fp8fx.backend(policy, inner="eager", keep_graphs=True))`."""
-    backend = fp8fx.backend(policy=policy, inner="eager", keep_graphs=True)
+    backend = fp8fx.backend(policy=policy, inner="eager", keep_graphs=True, weight_fp8=weight_fp8)
     return Captured(backend, torch.compile(model, backend=backend, **compile_kwargs))
 
 

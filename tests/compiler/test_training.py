@@ -71,7 +71,7 @@ def test_model_trains_with_every_linear_gemm_in_fp8(name):
 def test_backward_consumes_fp8_tensors_saved_by_forward():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
-    cap = compile_captured(model)
+    cap = compile_captured(model, weight_fp8="keep")  # (the default casts the weights again in backward)
     x = torch.randn(4, 16, 64, requires_grad=True)
     cap.compiled(x).sum().backward()
     (bw,) = cap.backward
@@ -90,11 +90,16 @@ def test_backward_consumes_fp8_tensors_saved_by_forward():
 
 def test_weight_cast_is_shared_by_output_and_grad_input():
     model = nn.Linear(32, 48, bias=False)
-    cap = compile_captured(model)
+    cap = compile_captured(model, weight_fp8="keep")
     cap.compiled(torch.randn(16, 32, requires_grad=True)).sum().backward()
     fw, bw = cap.forward[0], cap.backward[0]
     e4m3_casts = [n for g in (fw, bw) for n in g.graph.nodes if n.target == torch.ops.fp8fx.cast.default and n.args[2] == torch.float8_e4m3fn]
     assert len(e4m3_casts) == 2  # one for x, one for w - not one per GEMM
+    # The default (weight_fp8="auto", dynamic scaling) casts w again in backward for grad_input.
+    cap = compile_captured(nn.Linear(32, 48, bias=False))
+    cap.compiled(torch.randn(16, 32, requires_grad=True)).sum().backward()
+    e4m3_in_backward = [n for n in cap.backward[0].graph.nodes if n.target == torch.ops.fp8fx.cast.default and n.args[2] == torch.float8_e4m3fn]
+    assert len(e4m3_in_backward) == 1
 
 
 def test_autocast_bf16_training_casts_master_weights_directly():
