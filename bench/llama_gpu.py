@@ -148,23 +148,20 @@ def build_model(args, device: torch.device) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
     if args.model == "gpt3-6.7b":
-        cfg = OPTConfig(
+        cls, cfg = OPTForCausalLM, OPTConfig(
             hidden_size=args.hidden, ffn_dim=args.intermediate, num_hidden_layers=args.layers, num_attention_heads=args.heads,
             word_embed_proj_dim=args.hidden, activation_function="gelu", vocab_size=args.vocab,
             max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa", use_cache=False, dropout=0.0,
         )  # fmt: skip
-        torch.manual_seed(args.seed)
-        with device:
-            model = OPTForCausalLM(cfg)
-        return model.to(getattr(torch, args.dtype)).train()
-    cfg = LlamaConfig(
-        hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-        vocab_size=args.vocab, max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa", use_cache=False,
-    )  # fmt: skip
+    else:
+        cls, cfg = LlamaForCausalLM, LlamaConfig(
+            hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+            num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+            vocab_size=args.vocab, max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa", use_cache=False,
+        )  # fmt: skip
     torch.manual_seed(args.seed)  # the same init in every variant's process
     with device:  # built on the device: an 8B-shaped layer is slow to initialise on the CPU
-        model = LlamaForCausalLM(cfg)
+        model = cls(cfg)
     return model.to(getattr(torch, args.dtype)).train()
 
 

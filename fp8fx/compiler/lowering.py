@@ -5,12 +5,13 @@ reads the decisions off them. Under Inductor, the joint graph's amaxes, scales a
 ATen ops before it is partitioned (`lower_casts`), so min-cut weighs them as it weighs torchao's:
 it saves an FP8 copy where that is the cheapest tensor to keep, and casts again in backward where
 the high-precision tensor is kept anyway (a rowwise weight gradient's operand, cast along the
-tokens, is then never saved). Once a graph is partitioned, Inductor gets the rest of those nodes
-as the ATen ops they compute too, so it fuses them like its own: an amax into the kernel that reads
-its tensor, a scale into a few scalar ops of the kernels that read it, a cast into one pass that
-reads the high-precision tensor once. Only the GEMMs, the scale inverses, the BF16 copies of saved
-outputs (and what must call back into Python: delayed-scaling state, taps, grouped and NVFP4 ops)
-stay opaque.
+tokens, is then never saved). The scale inverses and the BF16 copies of saved outputs stay
+`fp8fx::` nodes through partitioning (a saved copy must look worth saving, not a conversion to
+recompute). Once a graph is partitioned, Inductor gets them (and an inference graph its casts)
+as the ATen ops they compute too, so it fuses them like its own: an amax
+into the kernel that reads its tensor, a scale into a few scalar ops of the kernels that read it,
+a cast into one pass that reads the high-precision tensor once. Only the GEMMs (and what must call
+back into Python: delayed-scaling state, taps, grouped and NVFP4 ops) stay opaque.
 
 Where a GEMM would run the exact CPU emulation (CPU tensors, not a generated kernel under Triton's
 interpreter), it too becomes ATen ops: the upcast of its FP8 operands, an fp32 `mm`, the scaling
