@@ -19,15 +19,17 @@ own row. Per variant: per-step and final loss, the first step (compile included,
 median of the timed steps after the warm-up steps (CUDA events), the peak memory of the timed steps
 (torch.cuda.max_memory_allocated, reset after warm-up), fp8fx's report summary (GEMMs in FP8, fused
 epilogues, memory passes added / saved, kernels), the fp8fx ops Inductor's generated code calls
-(only GEMMs should be left; none on CPU), one more step under torch.profiler (kernels launched,
-host time, the kernels with the most GPU time), and the speedup and memory ratio to BF16 from the same run. BF16 and torchao use `torch.compile` with the same inner compiler as fp8fx ("inductor",
-or "aot_eager" for --inner eager). Recipes this GPU cannot run are rows marked skipped. Under
+(only GEMMs cuBLAS cannot take as they are should be left; none on CPU) and its `_scaled_mm`
+calls, one more step under torch.profiler (kernels launched, host time, the kernels with the most
+GPU time), and the speedup and memory ratio to BF16 from the same run. BF16 and torchao use
+`torch.compile` with the same inner compiler as fp8fx ("inductor", or "aot_eager" for --inner eager). Recipes this GPU cannot run are rows marked skipped. Under
 torch.compile before torch 2.14, transformers hands SDPA an explicit causal mask (so no flash
 attention), in every variant alike.
 
 Variant names: bf16 (the baseline in --dtype, without FP8), torchao-tensorwise, torchao-rowwise,
-fp8fx-<recipe>-<kernels>, and fp8fx-<recipe>-<kernels>-recompute (backend option weight_fp8="recompute":
-backward casts the weights again instead of keeping their FP8 copies from forward). Any name may end
+fp8fx-<recipe>-<kernels> (the backend's defaults otherwise), and fp8fx-<recipe>-<kernels>-keep (backend
+option weight_fp8="keep": backward reads the FP8 copies of the weights forward made, where the default
+casts them again under dynamic scaling). Any name may end
 in -cudagraphs: Inductor then runs the compiled graphs as CUDA graphs (its `triton.cudagraphs`
 option, what mode="reduce-overhead" sets; no effect on CPU or with --inner eager).
 Output: a Markdown table on stdout, progress on stderr, JSON to --json (default $OUT/llama_gpu.json
@@ -81,18 +83,18 @@ CUDAGRAPHS = "-cudagraphs"
 
 
 def parse_variant(name: str) -> tuple[str, str | None, str | None]:
-    """(kind, recipe, kernels) of a variant name: bf16 | torchao-<recipe> | fp8fx-<recipe>-<kernels>[-recompute],
+    """(kind, recipe, kernels) of a variant name: bf16 | torchao-<recipe> | fp8fx-<recipe>-<kernels>[-keep],
     any of them with -cudagraphs."""
     parts = name.removesuffix(CUDAGRAPHS).split("-")
     if parts == ["bf16"]:
         return "bf16", None, None
     if len(parts) == 2 and parts[0] == "torchao" and parts[1] in TORCHAO_RECIPES:
         return "torchao", parts[1], None
-    if parts[3:] in ([], ["recompute"]) and parts[0] == "fp8fx" and parts[1] in RECIPES and parts[2] in ("auto", "triton", "scaled_mm"):
+    if parts[3:] in ([], ["keep"]) and parts[0] == "fp8fx" and parts[1] in RECIPES and parts[2] in ("auto", "triton", "scaled_mm"):
         return "fp8fx", parts[1], parts[2]
     raise ValueError(
         f"unknown variant {name!r}: bf16, torchao-{{{','.join(TORCHAO_RECIPES)}}} or "
-        f"fp8fx-<recipe>-<auto|triton|scaled_mm>[-recompute], each optionally ending in {CUDAGRAPHS}, with a recipe of {', '.join(RECIPES)}"
+        f"fp8fx-<recipe>-<auto|triton|scaled_mm>[-keep], each optionally ending in {CUDAGRAPHS}, with a recipe of {', '.join(RECIPES)}"
     )
 
 
@@ -176,7 +178,7 @@ def compile_variant(model: torch.nn.Module, name: str, args):
     """The compiled model of a variant; torchao converts the model's Linears in place first."""
     kind, recipe, kernels = parse_variant(name)
     if kind == "fp8fx":
-        weight_fp8 = "recompute" if name.removesuffix(CUDAGRAPHS).endswith("-recompute") else "keep"
+        weight_fp8 = "keep" if name.removesuffix(CUDAGRAPHS).endswith("-keep") else "auto"
         backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner=args.inner, kernels=kernels, weight_fp8=weight_fp8)
         return torch.compile(fp8fx.prepare(model), backend=backend)  # prepare: delayed recipes keep state there
     if kind == "torchao":
@@ -266,6 +268,7 @@ def run_variant(name: str, args) -> dict:
         out.update(fp8fx_report=report.summary(), fp8fx_report_lines=report.summary_lines())
         if args.inner == "inductor":
             out["fp8fx_ops_called"] = fp8fx_ops_called(code)
+            out["scaled_mm_called"] = len(re.findall(r"extern_kernels\._scaled_mm\(|aten\._scaled_mm\.default\(", "\n".join(code)))
     return out
 
 

@@ -1,4 +1,4 @@
-"""What Inductor compiles in place of fp8fx's elementwise ops (and, on CPU, its emulated GEMMs).
+"""What Inductor compiles in place of fp8fx's elementwise ops (and its emulated and cuBLAS GEMMs).
 
 The FP8 passes keep every amax -> scale -> cast step an explicit `fp8fx::` node, and the report
 reads the decisions off them. Under Inductor, the joint graph's amaxes, scales and casts become
@@ -15,9 +15,12 @@ back into Python: delayed-scaling state, taps, grouped and NVFP4 ops) stay opaqu
 
 Where a GEMM would run the exact CPU emulation (CPU tensors, not a generated kernel under Triton's
 interpreter), it too becomes ATen ops: the upcast of its FP8 operands, an fp32 `mm`, the scaling
-and the epilogue, so the emulation fuses as torchao's does. On a GPU, and under the interpreter
-that runs the generated kernels on CPU tensors, the GEMM stays one `fp8fx::` op: the interpreter
-tests run the graph a GPU runs.
+and the epilogue, so the emulation fuses as torchao's does. A GEMM the graph gives to cuBLAS on a
+GPU becomes `aten._scaled_mm` and its epilogue ATen ops, where `_scaled_mm` takes its shapes and
+scales as they are: Inductor's code calls cuBLAS without a Python call per GEMM, as it does
+torchao's, and fuses the epilogue. A generated-kernel GEMM stays one `fp8fx::` op, on a GPU and
+under the interpreter that runs the generated kernels on CPU tensors: the interpreter tests run
+the graph a GPU runs.
 
 The decompositions compute what the reference ops compute, value for value: Inductor rounds
 `x * scale` to fp32 and then to FP8 as eager does, and takes the scale in fp64 as the reference.
@@ -28,8 +31,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, fx
 
-from fp8fx.codegen.dispatch import interpreter_active
+from fp8fx.codegen.dispatch import interpreter_active, scaled_mm_kind
 from fp8fx.core import scaling
+from fp8fx.core.epilogue import Epilogue
 from fp8fx.core.formats import FP8_DTYPES, fp8_format_of
 from fp8fx.ops import reference
 from fp8fx.passes.annotation import annotation, fp8_gemm_nodes
@@ -87,6 +91,47 @@ def _emulated(a: Tensor, b: Tensor, gpu_kernel: str = "scaled_mm") -> bool:
     )  # fmt: skip
 
 
+# The devices whose cuBLAS GEMMs become `aten._scaled_mm` nodes (`_cublas_fp8_gemm`). Tests add "cpu":
+# torch's CPU `_scaled_mm` runs the graph a GPU runs.
+CUBLAS_DEVICES = ("cuda",)
+
+
+def _on_cublas(a: Tensor, b: Tensor, block_a: list[int], block_b: list[int], gpu_kernel: str) -> str | None:
+    """The scaling ("tensorwise" or "rowwise") of a GEMM the graph gives to cuBLAS that
+    `aten._scaled_mm` takes as it is: 2-D, static M, N and K multiples of 16, at most one E5M2
+    operand. None for any other (the op pads, or runs another kernel)."""
+    if gpu_kernel != "scaled_mm" or a.device.type not in CUBLAS_DEVICES or a.dim() != 2 or b.dim() != 2:
+        return None
+    if a.dtype == b.dtype == torch.float8_e5m2 or a.dtype not in FP8_DTYPES or b.dtype not in FP8_DTYPES:
+        return None
+    sizes = (*a.shape, b.shape[1])
+    if not all(isinstance(d, int) and d % 16 == 0 for d in sizes):
+        return None
+    kind = scaled_mm_kind(block_a, block_b)
+    return kind if kind in ("tensorwise", "rowwise") else None
+
+
+def _cublas_fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue,
+                     *, gpu_kernel, fast_accum):  # fmt: skip
+    """A cuBLAS FP8 GEMM as `aten._scaled_mm` and its epilogue as ATen ops, so that Inductor's
+    code calls cuBLAS itself (no Python per call, as for torchao's GEMMs) and fuses the epilogue
+    into one pointwise kernel. The operands are K-major already (`lay_out_operands`)."""
+    kind = _on_cublas(a, b, block_a, block_b, gpu_kernel)
+    if kind is None:
+        return NotImplemented
+    m, n = a.shape[0], b.shape[1]
+    if kind == "rowwise":  # cuBLAS takes [M, 1] and [1, N] fp32 scales (a tensorwise side repeated), and writes bf16
+        scale_inv_a = scale_inv_a.reshape(-1, 1).expand(m, 1).contiguous()
+        scale_inv_b = scale_inv_b.reshape(1, -1).expand(1, n).contiguous()
+    ep = Epilogue.parse(epilogue)
+    direct = ep == Epilogue() and out_dtype not in FP8_DTYPES
+    product_dtype = torch.bfloat16 if kind == "rowwise" else (out_dtype if direct else torch.float32)
+    y = aten._scaled_mm(a, b, scale_inv_a, scale_inv_b, None, None, product_dtype, fast_accum)
+    if direct:
+        return y.to(out_dtype), y.new_empty(0, dtype=aux_dtype), y.new_empty(0, dtype=torch.float32)
+    return reference.fp8_gemm_epilogue_after(y.to(torch.float32), bias, other, residual, out_scale, out_dtype, aux_dtype, ep)
+
+
 def _scaled_mm(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, block_a, block_b, fast_accum=False):
     if not _emulated(a, b):
         return NotImplemented
@@ -95,8 +140,10 @@ def _scaled_mm(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, block_a, block_b
 
 def _fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, *,
               gpu_kernel, fast_accum):  # fmt: skip
-    if not _emulated(a, b, gpu_kernel):
-        return NotImplemented
+    args = (a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue)
+    lowered = _cublas_fp8_gemm(*args, gpu_kernel=gpu_kernel, fast_accum=fast_accum)
+    if lowered is not NotImplemented or not _emulated(a, b, gpu_kernel):
+        return lowered
     return reference.emulated_fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a,
                                        block_b, epilogue, _to_fp32)  # fmt: skip
 
@@ -117,8 +164,9 @@ LOWERED = {
 # they run in count towards (fp8fx.compiler.kernel_passes).
 CHARGED_TO = "fp8fx_charged_to"
 LOWERED_FROM = "fp8fx_lowered_from"  # meta of every node a lowered op becomes: the op's name
-# The ops whose lowered nodes are an emulated GEMM on CPU: their kernels (the operands' fp32
-# upcasts, the scaling) stand for the GEMM a GPU runs, and are not FP8's passes.
+# The ops whose lowered nodes are a GEMM's own work: the CPU emulation's kernels (the operands'
+# fp32 upcasts, the scaling) stand for the GEMM a GPU runs, and a cuBLAS GEMM's epilogue is the
+# GEMM's output; neither is FP8's passes.
 EMULATED_GEMMS = (fp8fx_ops.scaled_mm.default.name(), fp8fx_ops.fp8_gemm.default.name())
 _ELEMENTWISE = (fp8fx_ops.amax.default, fp8fx_ops.cast.default, fp8fx_ops.saved_copy.default)
 

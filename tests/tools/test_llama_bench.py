@@ -18,11 +18,11 @@ def test_llama_bench_tiny_on_cpu(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "llama.json"
     cmd = [sys.executable, str(ROOT / "bench" / "llama_gpu.py"), "--device", "cpu", "--tiny", "--steps", "2", "--warmup", "1",
-           "--inner", "eager", "--variants", "bf16,fp8fx-tensorwise-auto,fp8fx-tensorwise-auto-recompute", "--json", str(out)]  # fmt: skip
+           "--inner", "eager", "--variants", "bf16,fp8fx-tensorwise-auto,fp8fx-tensorwise-auto-keep", "--json", str(out)]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     rows = {r["name"]: r for r in json.loads(out.read_text())["variants"]}
-    assert set(rows) == {"bf16", "fp8fx-tensorwise-auto", "fp8fx-tensorwise-auto-recompute"}
+    assert set(rows) == {"bf16", "fp8fx-tensorwise-auto", "fp8fx-tensorwise-auto-keep"}
     for r in rows.values():
         assert r["status"] == "ok", r
         assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"]), r["losses"]
