@@ -251,6 +251,10 @@ def policy_decision(policy: Policy, names: tuple[str, ...], kind: str, role: str
         return high(*problem)
     settings = res.settings
     mx = settings.granularity is Granularity.MX
+    blocks = GRANULARITIES[settings.granularity].blocks(roles)
+    # Scales in blocks along K promote every K-block's partial sum to fp32 (cuBLAS refuses fast
+    # accumulation with them): the GEMM's accumulation is the promoted one whatever the policy says.
+    k_blocked = (len(blocks[0]) == 2 and blocks[0][1] > 0) or (len(blocks[1]) == 2 and blocks[1][0] > 0)
     return Decision(
         Precision.FP8,
         ReasonKind.POLICY,
@@ -259,11 +263,11 @@ def policy_decision(policy: Policy, names: tuple[str, ...], kind: str, role: str
         formats=(settings.format.operand_format(roles[0]), settings.format.operand_format(roles[1])),
         scaling=settings.scaling,
         granularity=settings.granularity,
-        blocks=GRANULARITIES[settings.granularity].blocks(roles),
+        blocks=blocks,
         power_of_two=settings.power_of_two_scales or mx,  # MX scales are E8M0: powers of two
         margin=settings.margin,
         scale_rounding=settings.scale_rounding if mx else None,
-        fast_accum=settings.fast_accum[role],
+        fast_accum=settings.fast_accum[role] and not k_blocked,
         stochastic_rounding=bool(settings.stochastic_rounding) and "grad_output" in roles,
         hadamard=settings.hadamard is Hadamard.WGRAD and role == "grad_weight",
         delayed=(

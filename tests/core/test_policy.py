@@ -317,6 +317,19 @@ def test_fast_accum_defaults_merge_and_reach_the_report():
     assert sorted(v.fast_accum for v in variants) == sorted(op.fast_accum for op in ops)
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_scales_in_blocks_along_k_are_promoted_whatever_fast_accum_says(recipe):
+    """Block scales along K promote every K-block's sum (cuBLAS refuses fast accumulation with
+    128x128 blocks): the records say split accumulation even where the policy asks for fast."""
+    from helpers import GatedBlock, compile_captured
+
+    policy = fp8fx.Policy.from_recipe(recipe)
+    assert policy.defaults.fast_accum.output
+    cap = compile_captured(GatedBlock(d=128, hidden=256), policy)
+    cap.compiled(torch.randn(2, 64, 128, requires_grad=True)).sum().backward()
+    assert cap.report.fp8_ops and not any(op.fast_accum for op in cap.report.fp8_ops)
+
+
 def test_a_file_that_is_not_utf8_names_the_byte_and_line(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_bytes(b"version: 1\n# caf\xe9\n")
