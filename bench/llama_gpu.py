@@ -3,7 +3,7 @@ torch.compile and torchao float8 (tensorwise, rowwise).
 
 Run: python bench/llama_gpu.py [--model llama3-8b|gpt3-6.7b] [--layers 2 --seq 4096 --batch 2] [--recipes tensorwise,rowwise]
      [--kernels auto,triton,scaled_mm] [--inner inductor|eager] [--variants bf16,fp8fx-rowwise-auto]
-     [--steps 10 --warmup 3] [--json out.json] [--save-code DIR]
+     [--steps 10 --warmup 3] [--json out.json] [--save-code DIR] [--memory]
      python bench/llama_gpu.py --device cpu --tiny --steps 2 --warmup 1 --inner eager   # smoke test
 
 The model is LlamaForCausalLM built from a LlamaConfig (no download), by default with Llama-3-8B's
@@ -259,6 +259,8 @@ def run_variant(name: str, args) -> dict:
         peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else None,
     )  # fmt: skip
     out["profile"] = profile_step(step, batches[-1], cuda)
+    if args.memory and cuda and not name.endswith(CUDAGRAPHS):
+        out["memory_at_peak"] = memory_step(step, batches[-1])
     if args.save_code:  # Inductor's generated code, forward and backward, for reading afterwards
         os.makedirs(args.save_code, exist_ok=True)
         with open(os.path.join(args.save_code, f"{name}.py"), "w") as f:
@@ -270,6 +272,59 @@ def run_variant(name: str, args) -> dict:
             out["fp8fx_ops_called"] = fp8fx_ops_called(code)
             out["scaled_mm_called"] = len(re.findall(r"extern_kernels\._scaled_mm\(|aten\._scaled_mm\.default\(", "\n".join(code)))
     return out
+
+
+def memory_step(step, tokens: torch.Tensor) -> dict:
+    """One more step with the CUDA allocator's history recorded: what is alive at its peak."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
+    try:
+        step(tokens)
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return memory_at_peak(snapshot["device_traces"][torch.cuda.current_device()])
+
+
+def memory_at_peak(entries: list[dict], top: int = 25) -> dict:
+    """The allocations a recorded step made that are alive at its most-allocated moment (the tensors
+    alive before it, weights and optimizer state, are not in the trace), grouped by where they were
+    allocated (`allocation_site`), largest first."""
+    live: dict[int, dict] = {}
+    total = peak = 0
+    at_peak: list[dict] = []
+    for e in entries:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            total += e["size"]
+            if total > peak:
+                peak, at_peak = total, list(live.values())
+        elif e["action"] == "free_requested" and e["addr"] in live:
+            total -= live.pop(e["addr"])["size"]
+    groups: dict[str, list[int]] = {}
+    for e in at_peak:
+        group = groups.setdefault(allocation_site(e.get("frames", [])), [0, 0])
+        group[0] += 1
+        group[1] += e["size"]
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]
+    return dict(peak_bytes=peak, live=[dict(where=w, count=n, bytes=b) for w, (n, b) in rows])
+
+
+def allocation_site(frames: list[dict]) -> str:
+    """Where an allocation was made (its frames innermost first): the line of Inductor's generated
+    code, else the innermost frame outside torch, else the innermost one; with the line's source."""
+    import linecache
+
+    def outside_torch(f: dict) -> bool:
+        return "/torch/" not in f["filename"] and "<" not in f["filename"]
+
+    frame = next((f for f in frames if "torchinductor" in f["filename"]), None) or next(filter(outside_torch, frames), None)
+    frame = frame or (frames[0] if frames else None)
+    if frame is None:
+        return "(no Python frame)"
+    source = linecache.getline(frame["filename"], frame["line"]).strip()
+    return f"{os.path.basename(frame['filename'])}:{frame['line']} {frame['name']}: {source[:160]}"
 
 
 def profile_step(step, tokens: torch.Tensor, cuda: bool, top: int = 15) -> dict:
@@ -320,7 +375,7 @@ def child_command(name: str, args, result: str) -> list[str]:
     """The child's command line: the resolved shapes and training options, never --tiny or --json."""
     opts = ["model", *SHAPES, "steps", "warmup", "inner", "device", "dtype", "optimizer", "lr", "seed", "save_code"]
     flags = [x for key in opts if getattr(args, key) is not None for x in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]
-    return [sys.executable, os.path.abspath(__file__), *flags, "--child", name, "--result", result]
+    return [sys.executable, os.path.abspath(__file__), *flags, *(["--memory"] if args.memory else []), "--child", name, "--result", result]
 
 
 def launch(name: str, args) -> dict:
@@ -451,6 +506,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per variant process")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default $OUT/llama_gpu.json when OUT is set)")
+    ap.add_argument("--memory", action="store_true", help="one more step with the CUDA allocator's history: what is alive at its peak")
     ap.add_argument("--save-code", metavar="DIR", help="write each variant's Inductor output code to DIR/<variant>.py")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)

@@ -31,3 +31,26 @@ def test_llama_bench_tiny_on_cpu(tmp_path):
     assert summary["fp8_gemms"] >= 1, summary
     assert rows["bf16"]["speedup_vs_bf16"] == 1.0
     assert "| fp8fx-tensorwise-auto | ok |" in run.stdout
+
+
+def test_memory_at_peak_reads_the_allocators_trace():
+    """The live set at the step's peak from an allocator trace (the CUDA branch records it, this
+    reads it): freed blocks leave it, the peak is the most allocated at once, and each block is
+    grouped by the generated code's line that allocated it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import llama_gpu
+
+    code = ROOT / "tests" / "tools" / "torchinductor_fake_code.py"  # a name with "torchinductor", as Inductor's files have
+
+    def alloc(addr, size, line):
+        frames = [{"filename": "/x/torch/_ops.py", "line": 1, "name": "op"}, {"filename": str(code), "line": line, "name": "call"}]
+        return {"action": "alloc", "addr": addr, "size": size, "frames": frames}
+
+    def free(addr):
+        return {"action": "free_requested", "addr": addr, "size": 0}
+
+    entries = [alloc(1, 100, 1), alloc(2, 50, 2), free(1), alloc(3, 70, 2), alloc(4, 10, 1), free(4), alloc(5, 5, 1), free(3)]
+    out = llama_gpu.memory_at_peak(entries)
+    assert out["peak_bytes"] == 150  # 100 + 50, before the first free (later: 50 + 70 + 10 = 130)
+    assert [(r["count"], r["bytes"]) for r in out["live"]] == [(1, 100), (1, 50)]
+    assert out["live"][0]["where"].startswith("torchinductor_fake_code.py:1 call")
