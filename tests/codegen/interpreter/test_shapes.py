@@ -103,19 +103,19 @@ class Mlp(nn.Module):
         return self.down(nn.functional.gelu(self.up(x)))
 
 
-def kernel_and_emulated_steps(recipe: str, monkeypatch) -> list[tuple[list, fp8fx.Report]]:
-    """One fwd + bwd of the same Mlp(64, 128) under `recipe` with kernels="triton": first through
-    the generated kernels (the interpreter), then on the exact emulation (the CPU op's other path).
-    [(grads of input, up and down weights, report)] for both runs, same seeds."""
+def kernel_and_emulated_steps(recipe: str, monkeypatch, d=64, hidden=128, batch=2) -> list[tuple[list, fp8fx.Report]]:
+    """One fwd + bwd of the same Mlp(d, hidden) on [batch, 40, d] under `recipe` with kernels="triton":
+    first through the generated kernels (the interpreter), then on the exact emulation (the CPU op's
+    other path). [(grads of input, up and down weights, report)] for both runs, same seeds."""
     import fp8fx.ops.cuda
 
     torch.manual_seed(0)
-    model, x = Mlp(64, 128), torch.randn(2, 40, 64)
+    model, x = Mlp(d, hidden), torch.randn(batch, 40, d)
     runs = []
     for emulated in (False, True):
         if emulated:
             monkeypatch.setattr(fp8fx.ops.cuda, "interpreter_active", lambda: False)
-        m = Mlp(64, 128)
+        m = Mlp(d, hidden)
         m.load_state_dict(model.state_dict())
         xi = x.clone().requires_grad_()
         backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="eager", kernels="triton")
@@ -151,7 +151,9 @@ def test_training_step_with_any_token_count(shape, recipe, layout):
     """fwd + bwd with every FP8 GEMM in the generated kernels (output, grad_input and grad_weight,
     whose K is the token count) equals the same step on the reference kernels."""
     batch, tokens = shape
-    d = 128 if recipe == "blockwise" else 64  # blockwise scales 128-wide blocks; the interpreter is slow
+    # Blockwise scales 128-wide blocks. The interpreter runs a cast program per row or column of
+    # the weights: a narrow model elsewhere (the token count is what varies here).
+    d = 128 if recipe == "blockwise" else 32
     torch.manual_seed(0)
     model = Mlp(d, 2 * d)
     x = input_in_layout(batch, tokens, d, layout, seed=tokens)
