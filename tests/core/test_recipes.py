@@ -181,7 +181,8 @@ def test_block_amax_handles_partial_blocks():
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_transformer_trains_20_steps_under_each_recipe(recipe):
+def test_transformer_trains_10_steps_under_each_recipe(recipe):
+    # 10 steps: the loss is at 17-18% of the first step's under every recipe by then (20 made 4-6%).
     torch.manual_seed(0)
     model = fp8fx.prepare(TinyTransformer(dim=128, heads=4, layers=2, max_seq=32))
     policy = Policy.from_recipe(recipe)
@@ -189,7 +190,7 @@ def test_transformer_trains_20_steps_under_each_recipe(recipe):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
     losses = []
-    for _ in range(20):
+    for _ in range(10):
         data = (torch.randint(0, 200, (8, 1), generator=gen) + torch.arange(33) * 3) % 256
         loss = F.cross_entropy(cap.compiled(data[:, :-1]).flatten(0, 1), data[:, 1:].flatten())
         opt.zero_grad()
@@ -205,7 +206,7 @@ def test_transformer_trains_20_steps_under_each_recipe(recipe):
     assert cap.scaled_mm_nodes() == len(report.fp8_ops)
     state = model.fp8fx_state.states
     if policy.defaults.scaling.value == "delayed":  # the scales really came from in-graph state
-        assert len(state) > 0 and all(s.steps.item() == 20 for s in state.values())
+        assert len(state) > 0 and all(s.steps.item() == 10 for s in state.values())
         assert all(s.amax_history.shape == (policy.defaults.amax_history_len,) for s in state.values())
     else:
         assert len(state) == 0
