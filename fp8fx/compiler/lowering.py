@@ -53,10 +53,16 @@ def _scaled(x: Tensor, scale: Tensor, block: list[int]) -> Tensor:
     """`x * scale` in fp32, one scale per block. Blocks of 1 or of a whole dimension broadcast; other
     blocks look their scale up by index. (Inductor's CPU code for `repeat_interleave`, which
     `scaling.expand_blocks` uses eagerly, or for an expanded scale cut to a partial edge block,
-    read the wrong values in that block: torch 2.11 and 2.13.)"""
-    x = x.to(torch.float32)
+    read the wrong values in that block: torch 2.11 and 2.13.)
+
+    The product itself takes a BF16 or FP16 `x` to fp32 (an fp32 scale of at least one dimension
+    promotes it): an explicit upcast of a value rounded to BF16 from fp32 is what Inductor's
+    `pointless_convert` folds away, and the cast would then read, and Inductor keep, the unrounded
+    fp32 tensor (on an H100, two fp32 gradients of a Llama MLP alive at the backward's peak)."""
+    if x.dtype == torch.float64 or x.dim() == 0:
+        x = x.to(torch.float32)
     if not block:
-        return x * scale
+        return x * scale.reshape([1] * x.dim())
     rows, cols = x.shape[-2:]
     b0, b1 = scaling.block_dims(x.shape, tuple(block))
     if b0 in (1, rows) and b1 in (1, cols):

@@ -109,8 +109,9 @@ def _is_dtype_cast(node: fx.Node) -> bool:
     return src.meta["val"].device == out.device and out.dtype.is_floating_point
 
 
-def strip_layout(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
-    """Follow layout ops, identities and dtype casts back to the producing node.
+def strip_layout(node: fx.Node, dtype_casts: bool = True) -> tuple[fx.Node, list[fx.Node]]:
+    """Follow layout ops, identities and (unless `dtype_casts` is False) dtype casts back to the
+    producing node.
 
     Returns (root, chain): `chain` lists the layout ops to replay on a tensor derived from the root,
     innermost first."""
@@ -118,7 +119,7 @@ def strip_layout(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     while isinstance(node, fx.Node) and node.op == "call_function":
         if node.target in LAYOUT_OPS:
             chain.append(node)
-        elif node.target not in TRANSPARENT_OPS and not _is_dtype_cast(node):
+        elif node.target not in TRANSPARENT_OPS and not (dtype_casts and _is_dtype_cast(node)):
             break
         node = node.args[0]
     return node, chain[::-1]

@@ -182,6 +182,11 @@ class _Inserter:
 
     def operand(self, x: fx.Node, spec: CastSpec, gemm: fx.Node, state_key: str) -> tuple[fx.Node, Quantized]:
         root, chain = strip_layout(x)
+        if root.op != "placeholder":
+            # A dtype cast is skipped only to a graph input (a master weight, read once). A value
+            # the graph computes is cast as the model rounded it: reading its fp32 source (e.g. a
+            # BF16 model's gradient before rounding) makes Inductor keep that in fp32, twice the bytes.
+            root, chain = strip_layout(x, dtype_casts=False)
         if not spec.block:  # tensorwise: cast the root once, replay the views on FP8
             q = self.quantize(root, spec, gemm, state_key)
             return self.replay(q.fp8, chain, gemm), q

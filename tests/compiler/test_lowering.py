@@ -84,6 +84,35 @@ def _cast_case(rng: random.Random, g: torch.Generator):
     return x.to(dtype), (fmt, block, margin, power_of_two, rounding)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_casts_in_a_bf16_step_read_the_bf16_tensors(recipe, monkeypatch):
+    """The product that scales a cast's input reads the BF16 tensor the model computed. An explicit
+    fp32 upcast there was folded by Inductor's `pointless_convert` into the fp32 value before its
+    rounding to BF16, which the cast then read and Inductor kept (two fp32 MLP gradients at an
+    H100 Llama step's peak)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import fp8fx.compiler.backend as fp8fx_backend
+    from fp8fx.compiler.lowering import LOWERED_FROM
+
+    graphs = []
+    lower = fp8fx_backend.lower_elementwise
+    monkeypatch.setattr(fp8fx_backend, "lower_elementwise", lambda gm, kept_whole: (graphs.append(gm), lower(gm, kept_whole))[1])
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                      vocab_size=512, use_cache=False)  # fmt: skip
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    ids = torch.randint(0, 512, (2, 16))
+    compiled = torch.compile(model, backend=fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor"))
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+        compiled(input_ids=ids, labels=ids).loss.backward()
+    cast = ops.cast.default.name()
+    scalings = [n for gm in graphs for n in gm.graph.nodes if n.meta.get(LOWERED_FROM) == cast and n.target is torch.ops.aten.mul.Tensor]
+    assert len(scalings) >= 24  # every operand of the 24 GEMMs
+    assert {n.args[0].meta["val"].dtype for n in scalings} == {torch.bfloat16}
+
+
 def test_compiled_casts_equal_the_ops_bit_for_bit():
     """Generated casts (shapes, dtypes, formats, granularities, margins, power-of-two and MX floor
     scales, zeros, inf, NaN) in one compiled graph against the ops run eagerly."""
