@@ -6,6 +6,7 @@ FP8 operands are made by torch, never by the interpreter's own FP8 conversion.""
 from __future__ import annotations
 
 import itertools
+import os
 import zlib
 
 import pytest
@@ -29,7 +30,16 @@ def wide_range(shape, seed):
     return torch.randn(shape, generator=g) * torch.exp2(torch.randint(-14, 4, shape, generator=g).float())
 
 
-@pytest.mark.parametrize("dtype,block,transpose", list(itertools.product((E4M3, E5M2), QUANT_BLOCKS, (False, True))))
+# Every block shape in both formats and both output layouts. FP8FX_QUANTIZE_CASES=blocks (.ci/compat,
+# on an older Triton) keeps each block shape once, the formats and layouts alternating over them: a
+# Triton version changes how a block shape's reductions and stores compile, not what a format is.
+QUANTIZE_CASES = list(itertools.product((E4M3, E5M2), QUANT_BLOCKS, (False, True)))
+if os.environ.get("FP8FX_QUANTIZE_CASES") == "blocks":
+    _LAYOUTS = itertools.cycle(((E4M3, False), (E5M2, True), (E5M2, False), (E4M3, True)))
+    QUANTIZE_CASES = [(dtype, block, transpose) for block, (dtype, transpose) in zip(QUANT_BLOCKS, _LAYOUTS)]
+
+
+@pytest.mark.parametrize("dtype,block,transpose", QUANTIZE_CASES)
 def test_quantize_is_bit_exact(dtype, block, transpose):
     x = wide_range((40, 144), seed=len(block) * 7 + transpose)
     q, scale = launch.quantize(x, dtype, block, transpose=transpose)
