@@ -255,6 +255,9 @@ class Report:
         self.non_gemm_bytes = dict(non_gemm_bytes or {})
         self.saved_bytes = saved_bytes
         self.saved_bytes_high_precision: int | None = None
+        # Bytes of the trainable parameters a training step's optimizer updates (fp8fx.analyze sets
+        # it with `train`); None: the predicted step has no optimizer step.
+        self.param_bytes: int | None = None
         self.target = None  # fp8fx.reporting.costmodel.GpuSpec the predictions are for
         self.step = None  # its fp8fx.reporting.costmodel.StepPrediction
         self.monitor = None  # fp8fx.runtime.monitor.Monitor of the compiled model, if it has one
@@ -277,9 +280,10 @@ class Report:
             self.non_gemm_bytes,
             self.saved_bytes,
         )
-        new.saved_bytes_high_precision = self.saved_bytes_high_precision
+        new.saved_bytes_high_precision, new.param_bytes = self.saved_bytes_high_precision, self.param_bytes
         new.uncaptured, new.traced_on_real_tensors = list(self.uncaptured), self.traced_on_real_tensors
-        new.target, new.step = spec, costmodel.predict_step(self.ops, sum(self.non_gemm_bytes.values()), spec)
+        new.target = spec
+        new.step = costmodel.predict_step(self.ops, sum(self.non_gemm_bytes.values()), spec, self.param_bytes or 0)
         return new
 
     def __len__(self) -> int:
@@ -345,12 +349,23 @@ class Report:
             "target": self.target.name if self.target else None,
             "predicted_step_speedup": self.step.speedup if self.step else None,
             "predicted_gemm_speedup": self.step.gemm_speedup if self.step else None,
+            "predicted_step_ms": self._step_ms(),
             "slower_in_fp8": sum(op.slower for op in self.fp8_ops) if self.step else None,
             "numerics_batches": max((op.numerics.batches for op in self.ops if op.numerics), default=None),
             "min_sqnr_db": min(
                 (op.numerics.sqnr_db for op in self.fp8_ops if op.numerics and op.numerics.sqnr_db is not None), default=None
             ),
         }
+
+    def _step_ms(self) -> dict[str, float] | None:
+        """The predicted step's parts in ms: GEMMs in BF16 and as decided (with FP8's passes), and the
+        parts FP8 leaves alone (attention, optimizer, other ops)."""
+        if not self.step:
+            return None
+        s = self.step
+        parts = {"bf16": s.bf16_us, "fp8": s.fp8_us, "gemm_bf16": s.gemm_bf16_us, "gemm_fp8": s.gemm_fp8_us,
+                 "attention": s.attention_us, "optimizer": s.optimizer_us, "other": s.other_us}  # fmt: skip
+        return {key: us / 1e3 for key, us in parts.items()}
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-ready data; its layout is `SCHEMA` (documented in docs/report.md)."""
@@ -453,9 +468,15 @@ class Report:
                 )
             lines.append(line)
         if self.step:
+            ms = s["predicted_step_ms"]
+            optimizer = f", optimizer {ms['optimizer']:.1f}" if self.param_bytes else ", no optimizer"
             lines.append(
                 f"predicted on {s['target']}: step {s['predicted_step_speedup']:.2f}x faster than BF16 (GEMMs alone "
                 f"{s['predicted_gemm_speedup']:.2f}x); {s['slower_in_fp8']} FP8 GEMM(s) predicted slower than BF16 (marked !)"
+            )
+            lines.append(
+                f"predicted step, ms: BF16 {ms['bf16']:.1f}, FP8 {ms['fp8']:.1f}; GEMMs {ms['gemm_bf16']:.1f} -> {ms['gemm_fp8']:.1f} "
+                f"(FP8's casts included), unchanged: attention {ms['attention']:.1f}{optimizer}, other ops {ms['other']:.1f}"
             )
         if s["numerics_batches"]:
             worst = min(

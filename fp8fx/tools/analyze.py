@@ -353,6 +353,9 @@ def analyze(
         if any(not has_values(p) for p in model.parameters()):
             raise ValueError("fp8fx.analyze: numerics need real weights, but the model is on the meta device")
         fold_repeated = False  # the blocks' values differ
+    # What a training step's optimizer updates, counted before a meta model becomes fake tensors
+    # (which unties shared weights); parameters() counts a shared one once.
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) if train else None
     example_inputs = _fake_cpu_if_meta(model, example_inputs)
     if policy.uses_delayed_scaling:
         prepare(model)  # delayed scaling keeps its state in the model
@@ -369,7 +372,7 @@ def analyze(
             raise
         example_inputs = _real_tensors(model, example_inputs, why)
         report = _traced(model, example_inputs, policy, train, loss_fn, fold_repeated, progress, "analysis")
-    report.traced_on_real_tensors = why
+    report.traced_on_real_tensors, report.param_bytes = why, param_bytes
     if train:  # what the same step saves for backward with every GEMM in high precision
         high = Policy(policy.defaults, (Rule(match="*", precision="high"),))
         baseline = _traced(model, example_inputs, high, train, loss_fn, fold_repeated, progress, "baseline").saved_bytes
