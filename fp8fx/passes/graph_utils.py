@@ -174,6 +174,32 @@ def k_contiguous(val: torch.Tensor, side: int) -> bool:
     return statically_known_true((val.stride(-1) if side == 0 else val.stride(-2)) == 1)
 
 
+def _call_signature(node: fx.Node) -> tuple | None:
+    """What a decomposition's trace depends on: the op, its constant arguments, and which input
+    (by position) with what static shape, strides and dtype each tensor argument is. None where a
+    size is symbolic or an argument is not a plain value."""
+
+    def sig(a):
+        if isinstance(a, fx.Node):
+            val = a.meta.get("val")
+            if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in (*val.shape, *val.stride())):
+                raise TypeError
+            return ("input", inputs.index(a), tuple(val.shape), val.stride(), val.dtype, val.device.type)
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, *map(sig, a))
+        if isinstance(a, dict):
+            return ("dict", *((k, sig(v)) for k, v in sorted(a.items())))
+        if a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.device)):
+            return (type(a).__name__, a)
+        raise TypeError
+
+    inputs = node.all_input_nodes
+    try:
+        return (node.target, sig(node.args), sig(node.kwargs))
+    except TypeError:
+        return None
+
+
 def decompose_nodes(graph: fx.Graph, decompositions: dict, also: dict | None = None, meta: dict | None = None) -> int:
     """Replace each call of an op in `decompositions` by its decomposition, in place (what it
     decomposes to is traced with Inductor's table too, and with `also`: the entries a compile took
@@ -191,28 +217,42 @@ def decompose_nodes(graph: fx.Graph, decompositions: dict, also: dict | None = N
         return 0
     fake_mode = fake_mode_of(graph)
     table = {**select_decomp_table(), **(also or {}), **decompositions}
+    # Tracing is most of the time a compile spends here; calls that differ only in which nodes they
+    # read (a model's layers) share one trace, copied with fresh fake values.
+    traces: dict[tuple, fx.GraphModule | None] = {}
     replaced = 0
     for node in nodes:
         tensor_args = node.all_input_nodes
+        key = _call_signature(node)
+        if key is None or key not in traces:
 
-        def fn(*tensors, _node=node, _inputs=tensor_args, _decompose=table[node.target]):
-            values = dict(zip(_inputs, tensors))
-            return _decompose(*fx.node.map_arg(_node.args, values.get), **fx.node.map_arg(_node.kwargs, values.get))
+            def fn(*tensors, _node=node, _inputs=tensor_args, _decompose=table[node.target]):
+                values = dict(zip(_inputs, tensors))
+                return _decompose(*fx.node.map_arg(_node.args, values.get), **fx.node.map_arg(_node.kwargs, values.get))
 
-        with fake_mode:
-            if table[node.target](*node_values(node.args), **node_values(node.kwargs)) is NotImplemented:
-                continue
-            # The decomposition itself is traced (not the op, which functionalization would pass
-            # through whole), functionalized: it may update its own temporaries in place.
-            sub = make_fx(functionalize(fn, remove="mutations"), decomposition_table=table)(
-                *[a.meta["val"] for a in tensor_args]
-            )
-        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+            with fake_mode:
+                declined = table[node.target](*node_values(node.args), **node_values(node.kwargs)) is NotImplemented
+                # The decomposition itself is traced (not the op, which functionalization would
+                # pass through whole), functionalized: it may update its own temporaries in place.
+                trace = None if declined else make_fx(functionalize(fn, remove="mutations"), decomposition_table=table)(
+                    *[a.meta["val"] for a in tensor_args]
+                )
+            if key is not None:
+                traces[key] = trace
+            reused = False
+        else:
+            trace, reused = traces[key], True
+        if trace is None:
+            continue
+        placeholders = [n for n in trace.graph.nodes if n.op == "placeholder"]
         before = set(graph.nodes)
         with graph.inserting_before(node):
-            out = graph.graph_copy(sub.graph, dict(zip(placeholders, tensor_args)), return_output_node=False)
+            out = graph.graph_copy(trace.graph, dict(zip(placeholders, tensor_args)), return_output_node=False)
         for new in graph.nodes:
             if new not in before:  # the partitioners read the forward / backward tag
+                if reused and new.op == "call_function":  # each node its own fake value, as if traced here
+                    with fake_mode:
+                        new.meta["val"] = new.target(*node_values(new.args), **node_values(new.kwargs))
                 new.meta.update({k: node.meta[k] for k in ("partitioner_tag", "stack_trace") if k in node.meta})
                 new.meta.update((meta or {}).get(node, {}))
         if isinstance(out, (tuple, list)):  # a multi-output op: its getitems become the outputs themselves

@@ -191,7 +191,7 @@ class _Inserter:
             q = self.quantize(root, spec, gemm, state_key)
             return self.replay(q.fp8, chain, gemm), q
         # Per-row / per-block scales follow the GEMM's layout: cast the operand as the GEMM sees
-        # it, rebuilt from the root so dtype casts (autocast's bf16 copies) are skipped.
+        # it, rebuilt from the root (so a weight's dtype cast, autocast's bf16 copy, is skipped).
         key = (root, tuple((v.target, repr(v.args[1:]), repr(v.kwargs)) for v in chain))
         if key not in self.views:  # e.g. q, k and v projections share one cast of their input
             self.views[key] = self.replay(root, chain, gemm)
