@@ -162,7 +162,7 @@ def analyze(
     recipe: str | None = typer.Option(None, "--recipe", help="A named recipe instead of a policy file (see `fp8fx recipes`)."),
     train: bool = typer.Option(False, "--train", help="Analyse the training step: forward and backward GEMMs."),
     target: str | None = typer.Option(
-        None, "--target", help="Predict BF16 and FP8 time per GEMM and per step on a GPU: h100, h100-pcie, h200, h800, b200, or a spec 'fp8=TFLOPS,bf16=TFLOPS,bw=TB/s,sms=N'."
+        None, "--target", help="Predict BF16 and FP8 time per GEMM and per step on a GPU: h100, h100-pcie, h200, h800, b200, b300, gb200, or a spec 'fp8=TFLOPS,bf16=TFLOPS,bw=TB/s,sms=N'."
     ),
     numerics: bool = typer.Option(
         False, "--numerics", help="Run real tensors (weights initialised by build_model()) and add per-GEMM amax, scale, underflow %, saturation % and SQNR, with what-ifs for every recipe."

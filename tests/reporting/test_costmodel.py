@@ -79,7 +79,7 @@ def test_peaks_follow_the_datasheets():
 # sequence 2048); the forward and backward GEMMs of its four linears (QKV, attention projection,
 # FC1, FC2). GEMM level: the linears' GEMMs and their quantization passes, no attention, no other ops.
 TE_PUBLISHED = {"delayed": 1.69, "current": 1.57, "block": 1.41, "raw": 1.92}
-TE_TOLERANCE = 0.10  # relative; predicted: delayed 1.69, current 1.60, block 1.43, raw 1.95
+TE_TOLERANCE = 0.10  # relative; predicted: delayed 1.56, current 1.48, block 1.32, raw 1.83
 
 
 def te_layer(**kw) -> list[OpRecord]:
@@ -173,7 +173,7 @@ def test_gpt3_block_sweep_trends():
 # rule keeps it high (checked below), so the policy here has that rule. With lm_head in FP8 the
 # predictions are 1.27 (tensorwise) and 1.14 (rowwise).
 TORCHAO_PUBLISHED = {"tensorwise": 1.25, "rowwise": 1.10}
-TORCHAO_TOLERANCE = 0.1  # absolute; predicted: tensorwise 1.24, rowwise 1.13
+TORCHAO_TOLERANCE = 0.1  # absolute; predicted: tensorwise 1.17, rowwise 1.06
 SEQ = 8192
 
 
