@@ -33,9 +33,8 @@ from torch import Tensor, fx
 
 from fp8fx.codegen.dispatch import interpreter_active, scaled_mm_kind
 from fp8fx.core import scaling
-from fp8fx.core.epilogue import Epilogue
 from fp8fx.core.formats import FP8_DTYPES, fp8_format_of
-from fp8fx.ops import reference
+from fp8fx.ops import cuda, reference
 from fp8fx.passes.annotation import annotation, fp8_gemm_nodes
 from fp8fx.passes.graph_utils import add_node, decompose_nodes, fake_mode_of, k_contiguous
 
@@ -102,40 +101,28 @@ def _emulated(a: Tensor, b: Tensor, gpu_kernel: str = "scaled_mm") -> bool:
 CUBLAS_DEVICES = ("cuda",)
 
 
-def _on_cublas(a: Tensor, b: Tensor, block_a: list[int], block_b: list[int], gpu_kernel: str) -> str | None:
-    """The scaling ("tensorwise" or "rowwise") of a GEMM the graph gives to cuBLAS that
-    `aten._scaled_mm` takes as it is: 2-D, static M, N and K multiples of 16, at most one E5M2
-    operand. None for any other (the op pads, or runs another kernel)."""
+def _on_cublas(a: Tensor, b: Tensor, block_a: list[int], block_b: list[int], gpu_kernel: str) -> bool:
+    """Whether the graph gives this GEMM to cuBLAS and `aten._scaled_mm` takes it as it is: 2-D,
+    static M, N and K multiples of 16, tensorwise or rowwise scales, at most one E5M2 operand (any
+    other the op pads, or runs on another kernel)."""
     if gpu_kernel != "scaled_mm" or a.device.type not in CUBLAS_DEVICES or a.dim() != 2 or b.dim() != 2:
-        return None
+        return False
     if a.dtype == b.dtype == torch.float8_e5m2 or a.dtype not in FP8_DTYPES or b.dtype not in FP8_DTYPES:
-        return None
+        return False
     sizes = (*a.shape, b.shape[1])
-    if not all(isinstance(d, int) and d % 16 == 0 for d in sizes):
-        return None
-    kind = scaled_mm_kind(block_a, block_b)
-    return kind if kind in ("tensorwise", "rowwise") else None
+    return all(isinstance(d, int) and d % 16 == 0 for d in sizes) and scaled_mm_kind(block_a, block_b) in ("tensorwise", "rowwise")
 
 
 def _cublas_fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue,
                      *, gpu_kernel, fast_accum):  # fmt: skip
-    """A cuBLAS FP8 GEMM as `aten._scaled_mm` and its epilogue as ATen ops, so that Inductor's
-    code calls cuBLAS itself (no Python per call, as for torchao's GEMMs) and fuses the epilogue
-    into one pointwise kernel. The operands are K-major already (`lay_out_operands`)."""
-    kind = _on_cublas(a, b, block_a, block_b, gpu_kernel)
-    if kind is None:
+    """A cuBLAS FP8 GEMM as the ATen ops `fp8fx::fp8_gemm`'s CUDA implementation runs (traced: its
+    `aten._scaled_mm` and epilogue), so that Inductor's code calls cuBLAS itself (no Python per
+    call, as for torchao's GEMMs) and fuses the epilogue. Its padding and column-major copy are
+    no-ops here: the sizes are multiples of 16 and the operands K-major (`lay_out_operands`)."""
+    if not _on_cublas(a, b, block_a, block_b, gpu_kernel):
         return NotImplemented
-    m, n = a.shape[0], b.shape[1]
-    if kind == "rowwise":  # cuBLAS takes [M, 1] and [1, N] fp32 scales (a tensorwise side repeated), and writes bf16
-        scale_inv_a = scale_inv_a.reshape(-1, 1).expand(m, 1).contiguous()
-        scale_inv_b = scale_inv_b.reshape(1, -1).expand(1, n).contiguous()
-    ep = Epilogue.parse(epilogue)
-    direct = ep == Epilogue() and out_dtype not in FP8_DTYPES
-    product_dtype = torch.bfloat16 if kind == "rowwise" else (out_dtype if direct else torch.float32)
-    y = aten._scaled_mm(a, b, scale_inv_a, scale_inv_b, None, None, product_dtype, fast_accum)
-    if direct:
-        return y.to(out_dtype), y.new_empty(0, dtype=aux_dtype), y.new_empty(0, dtype=torch.float32)
-    return reference.fp8_gemm_epilogue_after(y.to(torch.float32), bias, other, residual, out_scale, out_dtype, aux_dtype, ep)
+    args = (a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue)
+    return cuda.fp8_gemm_cuda(*args, gpu_kernel=gpu_kernel, fast_accum=fast_accum)
 
 
 def _scaled_mm(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, block_a, block_b, fast_accum=False):
