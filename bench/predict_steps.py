@@ -74,13 +74,11 @@ def rows(targets: list[str]) -> list[dict]:
             continue
         if (model, seq, recipe) not in reports:
             reports[model, seq, recipe] = analysed(model, seq, recipe)
-        report = reports[model, seq, recipe].with_predictions(target)
-        step = report.step
+        summary = reports[model, seq, recipe].with_predictions(target).summary()
+        ms = {f"{part}_ms": value for part, value in summary["predicted_step_ms"].items()}  # bf16, fp8, gemm_bf16, ...
         out.append(dict(
             target=target, model=model, seq=seq, recipe=recipe, section=section, measured_bf16_ms=bf16_ms, measured_fp8_ms=fp8_ms,
-            measured=bf16_ms / fp8_ms, predicted=step.speedup, bf16_ms=step.bf16_us / 1e3, fp8_ms=step.fp8_us / 1e3,
-            gemm_bf16_ms=step.gemm_bf16_us / 1e3, gemm_fp8_ms=step.gemm_fp8_us / 1e3, attention_ms=step.attention_us / 1e3,
-            optimizer_ms=step.optimizer_us / 1e3, other_ms=step.other_us / 1e3, slower_gemms=report.summary()["slower_in_fp8"],
+            measured=bf16_ms / fp8_ms, predicted=summary["predicted_step_speedup"], slower_gemms=summary["slower_in_fp8"], **ms,
         ))  # fmt: skip
     return out
 
