@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -105,6 +106,22 @@ def tiny_llama():
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256
     )
     return LlamaForCausalLM(cfg)
+
+
+def one_layer_llama():
+    """A seeded one-layer `transformers` Llama (hidden 64, vocab 512) without KV cache: every GEMM role of
+    a decoder layer and the LM head, small enough to compile quickly."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                      vocab_size=512, use_cache=False)  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def fp8fx_calls(code: list[str] | str) -> list[str]:
+    """The fp8fx ops Inductor's generated code calls, in order."""
+    return re.findall(r"torch\.ops\.fp8fx\.(\w+)\.default\(", code if isinstance(code, str) else "\n".join(code))
 
 
 def meta_llama(layers: int, hidden: int = 128, inter: int = 256, heads: int = 4, kv: int = 2, vocab: int = 512):

@@ -9,12 +9,12 @@ import re
 
 import pytest
 import torch
+from helpers import fp8fx_calls, one_layer_llama, sqnr
 from torch._inductor.utils import run_and_get_code
 
 import fp8fx
 from fp8fx.compiler import lowering
 from fp8fx.ops import cuda, reference
-from tests.helpers import sqnr
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SEED = 20261127
@@ -79,15 +79,6 @@ def test_gemms_cublas_cannot_take_as_they_are_stay_ops(shape, blocks, gpu_kernel
     assert lowering._cublas_fp8_gemm(*args, gpu_kernel=gpu_kernel, fast_accum=False) is NotImplemented
 
 
-def _llama(tokens: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                      vocab_size=512, use_cache=False)  # fmt: skip
-    return LlamaForCausalLM(cfg), torch.randint(0, 512, (2, tokens))
-
-
 def _step(model, ids):
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -99,7 +90,8 @@ def _step(model, ids):
 def test_a_cublas_training_step_calls_scaled_mm_from_inductor_code(recipe):
     """Every FP8 GEMM of a Llama step is an `aten._scaled_mm` call in Inductor's code, none an
     fp8fx op, and the step's loss and gradients are the fp32 step's, to FP8's precision."""
-    model, ids = _llama(16)
+    model = one_layer_llama()
+    ids = torch.randint(0, 512, (2, 16))
     fp32_loss, fp32_grads = _step(model, ids)
     model.zero_grad()
     backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor", kernels="scaled_mm")
@@ -110,6 +102,6 @@ def test_a_cublas_training_step_calls_scaled_mm_from_inductor_code(recipe):
     code = "\n".join(code)
     gemms = len(fp8fx.report(backend).fp8_ops)
     assert gemms == 24  # 7 projections and the LM head x (output, input gradient, weight gradient)
-    assert re.findall(r"torch\.ops\.fp8fx\.(\w+)\.default\(", code) == []
+    assert fp8fx_calls(code) == []
     assert len(re.findall(r"extern_kernels\._scaled_mm\(|aten\._scaled_mm\.default\(", code)) == gemms
     assert sqnr(loss, fp32_loss) > 50 and sqnr(grads, fp32_grads) > 18  # measured: 75-83 dB and 23-25 dB

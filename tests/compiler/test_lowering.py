@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import functools
 import random
-import re
 
 import pytest
 import torch
+from helpers import fp8fx_calls, one_layer_llama
 from torch._inductor.utils import run_and_get_code
 
 import fp8fx
@@ -17,10 +17,6 @@ from fp8fx.core.formats import Fp8Format
 
 ops = torch.ops.fp8fx
 SEED = 20261126
-
-
-def fp8fx_calls(code: list[str]) -> list[str]:
-    return re.findall(r"torch\.ops\.fp8fx\.(\w+)\.default\(", "\n".join(code))
 
 
 def lowered_by_inductor(fn, *args):
@@ -41,12 +37,7 @@ def lowered_by_inductor(fn, *args):
 def test_a_training_step_leaves_no_fp8fx_op_to_inductor_on_cpu(recipe):
     """Before the lowering, one Llama layer's step called 111 fp8fx ops from Inductor's code (20
     amaxes, 21 scales, 21 casts, 21 scale inverses, 4 saved copies, 24 GEMMs)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                      vocab_size=512, use_cache=False)  # fmt: skip
-    model = LlamaForCausalLM(cfg)
+    model = one_layer_llama()
     ids = torch.randint(0, 512, (2, 16))
     backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor")
     compiled = torch.compile(model, backend=backend)
@@ -90,18 +81,13 @@ def test_casts_in_a_bf16_step_read_the_bf16_tensors(recipe, monkeypatch):
     fp32 upcast there was folded by Inductor's `pointless_convert` into the fp32 value before its
     rounding to BF16, which the cast then read and Inductor kept (two fp32 MLP gradients at an
     H100 Llama step's peak)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import fp8fx.compiler.backend as fp8fx_backend
     from fp8fx.compiler.lowering import LOWERED_FROM
 
     graphs = []
     lower = fp8fx_backend.lower_elementwise
     monkeypatch.setattr(fp8fx_backend, "lower_elementwise", lambda gm, kept_whole: (graphs.append(gm), lower(gm, kept_whole))[1])
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                      vocab_size=512, use_cache=False)  # fmt: skip
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = one_layer_llama().to(torch.bfloat16)
     ids = torch.randint(0, 512, (2, 16))
     compiled = torch.compile(model, backend=fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor"))
     torch._dynamo.reset()
