@@ -20,34 +20,26 @@ ROOT = Path(__file__).parents[2]
 
 
 # The interpreter's test files in groups of under a minute each, one process per group, so a
-# parallel run (pytest -n) spreads them over its workers. A file named with "i/n" runs every n-th
-# of its tests from the i-th (tests/codegen/interpreter/conftest.py): test_shapes.py's training
-# steps and test_op_layouts.py's Inductor steps take 10-60 s each. Every file of the folder is in a
-# group, and every shard of a split file.
-INTERPRETER_GROUPS = {
-    "gemm": ["test_kernels.py", "test_activations.py", "test_tma.py"],
-    "families": ["test_mx.py", "test_nvfp4.py", "test_grouped.py", "test_grouped_op.py"],
-    "shapes-0": ["test_shapes.py 0/2"],
-    "shapes-1": ["test_shapes.py 1/2"],
-    "layouts-0": ["test_op_layouts.py 0/3"],
-    "layouts-1": ["test_op_layouts.py 1/3"],
-    "layouts-2": ["test_op_layouts.py 2/3"],
+# parallel run (pytest -n) spreads them over its workers: (files, shard). A shard "i/n" runs every
+# n-th test of its one file from the i-th (tests/codegen/interpreter/conftest.py): test_shapes.py's
+# training steps and test_op_layouts.py's Inductor steps take 10-60 s each. Every file of the
+# folder is in a group, and every shard of a split file.
+INTERPRETER_GROUPS: dict[str, tuple[list[str], str | None]] = {
+    "gemm": (["test_kernels.py", "test_activations.py", "test_tma.py"], None),
+    "families": (["test_mx.py", "test_nvfp4.py", "test_grouped.py", "test_grouped_op.py"], None),
+    "shapes-0": (["test_shapes.py"], "0/2"),
+    "shapes-1": (["test_shapes.py"], "1/2"),
+    "layouts-0": (["test_op_layouts.py"], "0/3"),
+    "layouts-1": (["test_op_layouts.py"], "1/3"),
+    "layouts-2": (["test_op_layouts.py"], "2/3"),
 }
-
-
-def _group_files(group: str) -> tuple[list[str], str | None]:
-    """(the group's files, its shard "i/n" or None)."""
-    names = [entry.split()[0] for entry in INTERPRETER_GROUPS[group]]
-    shards = {entry.split()[1] for entry in INTERPRETER_GROUPS[group] if " " in entry}
-    assert len(shards) <= 1 and (not shards or len(names) == 1), group
-    return names, next(iter(shards), None)
 
 
 def test_interpreter_groups_cover_the_folder():
     files = sorted(p.name for p in (ROOT / "tests" / "codegen" / "interpreter").glob("test_*.py"))
     shards: dict[str, set[str]] = {}
-    for group in INTERPRETER_GROUPS:
-        names, shard = _group_files(group)
+    for names, shard in INTERPRETER_GROUPS.values():
+        assert shard is None or len(names) == 1, names  # a shard splits one file
         for name in names:
             shards.setdefault(name, set()).add(shard or "0/1")
     assert sorted(shards) == files
@@ -59,7 +51,7 @@ def test_interpreter_groups_cover_the_folder():
 @pytest.mark.parametrize("group", list(INTERPRETER_GROUPS))
 def test_kernels_match_reference_under_the_interpreter(group):
     """tests/codegen/interpreter, in a process started with TRITON_INTERPRET=1 (it must precede the import)."""
-    names, shard = _group_files(group)
+    names, shard = INTERPRETER_GROUPS[group]
     env = {**os.environ, "TRITON_INTERPRET": "1", "FP8FX_INTERPRETER_SHARD": shard or ""}
     files = [str(ROOT / "tests" / "codegen" / "interpreter" / f) for f in names]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:logging", "-p", "no:cacheprovider", "-p", "no:xdist", *files]
