@@ -3,6 +3,7 @@
 Run: python bench/fusion_counts.py [--layers 1 --hidden 256 --intermediate 512 --seq 128 --batch 4]
          [--recipes tensorwise,rowwise] [--device cpu|cuda] [--kernels auto|triton|scaled_mm] [--json OUT]
      TRITON_INTERPRET=1 python bench/fusion_counts.py --kernels triton   # the GEMMs a GPU runs, on CPU
+     python bench/fusion_counts.py --cublas   # the graph a GPU's cuBLAS GEMMs make (aten._scaled_mm), on CPU
 
 Per recipe, one training step compiled with `inner="inductor"` (caches off): the fp8fx ops
 Inductor's generated code calls, by name (targets: none but GEMMs on a GPU; none at all on CPU,
@@ -13,12 +14,16 @@ cost with every amax, scale and cast a kernel of its own, as before Inductor com
 include the copies of GEMM operands that are not K-contiguous. On CPU a copy of a tensor that
 is not cast in the graph (an FP8 tensor forward saved for backward) fuses into the emulated GEMM
 reading it and costs nothing; under Triton's interpreter with `--kernels triton` the GEMMs stay
-whole, as on a GPU, and the copies are kernels of their own.
+whole, as on a GPU, and the copies are kernels of their own. With `--cublas` the GEMMs that a GPU
+gives to cuBLAS become `aten._scaled_mm` calls, as on a GPU (torch's CPU `_scaled_mm` runs them), and
+every cast and layout copy feeding them is a kernel of its own: the count closest to a GPU's that a
+CPU can make (Inductor's CPU code fuses much as its GPU code does, not exactly).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -26,9 +31,11 @@ from llama_gpu import fp8fx_ops_called
 from torch._inductor.utils import run_and_get_code
 
 import fp8fx
+from fp8fx.compiler.kernel_passes import KernelPasses, computes, counting
+from fp8fx.core.formats import FP8_DTYPES
 
 
-def count(recipe: str, args) -> dict:
+def llama(args):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch._dynamo.reset()
@@ -36,7 +43,45 @@ def count(recipe: str, args) -> dict:
     cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
                       num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab, use_cache=False)  # fmt: skip
     model = LlamaForCausalLM(cfg).to(args.device)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device)
+    return model, torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device)
+
+
+def torchao_charge(part) -> tuple[str, str] | None:
+    """A scheduled node is torchao's FP8 work where it writes an FP8 tensor (a cast or a copy of
+    one) or is an amax (a reduction of an `abs`), from ops traced in torchao's float8 code (their
+    stack traces say so; a view inlined into a model's kernel computes nothing there)."""
+    node = getattr(part, "node", None)
+    if node is None:
+        return None
+    origins = [o for o in node.get_origins() if "torchao/float8/" in (o.meta.get("stack_trace") or "") and computes(o)]
+    amax = part.is_reduction() and any(o.target is torch.ops.aten.abs.default for o in origins)
+    fp8 = getattr(node, "get_dtype", lambda: None)() in FP8_DTYPES
+    return ("torchao", "float8") if origins and (amax or fp8) else None
+
+
+def count_torchao(recipe: str, args) -> dict:
+    """The same count for torchao's float8 training (its GEMMs `_scaled_mm` calls with --cublas, as
+    on a GPU; else emulated), charging the kernels that compute torchao's float8 code."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    model, ids = llama(args)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=args.device == "cpu" and not args.cublas)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear))
+    gemms = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    tokens = args.batch * args.seq
+    operands = [n for m in gemms for n in (m.weight.numel(), tokens * m.in_features, tokens * m.out_features)]
+    passes = KernelPasses(charge=torchao_charge)
+    compiled = torch.compile(model)
+    with counting(passes, "forward", max(1, min(operands) // 4)):  # the operand size fp8fx's count uses
+        _, code = run_and_get_code(lambda: compiled(input_ids=ids, labels=ids).loss.backward())
+    return {"recipe": f"torchao-{recipe}", "fp8_gemms": 3 * len(gemms), "fp8fx_ops_called": {},
+            "memory_passes_added": sum(passes.passes.values()), "transposed_copies": 0, "memory_passes_one_by_one": None}  # fmt: skip
+
+
+def count(recipe: str, args) -> dict:
+    if recipe.startswith("torchao-"):
+        return count_torchao(recipe.removeprefix("torchao-"), args)
+    model, ids = llama(args)
     backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor", kernels=args.kernels)
     compiled = torch.compile(model, backend=backend)
 
@@ -65,18 +110,25 @@ def main() -> None:
     ap.add_argument("--recipes", default="tensorwise,rowwise")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--kernels", default="auto", choices=["auto", "triton", "scaled_mm"])
+    ap.add_argument("--cublas", action="store_true", help="lower cuBLAS GEMMs to aten._scaled_mm on CPU too, as on a GPU")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
+    if args.cublas:
+        from fp8fx.compiler import lowering
+
+        lowering.CUBLAS_DEVICES = (*lowering.CUBLAS_DEVICES, "cpu")
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     rows = [count(recipe, args) for recipe in args.recipes.split(",")]
-    print(f"Llama {args.layers} layer(s), hidden {args.hidden}, batch {args.batch} x seq {args.seq}, {args.device}")
+    gemms = "cuBLAS (aten._scaled_mm)" if args.cublas else f"kernels={args.kernels}"
+    print(f"Llama {args.layers} layer(s), hidden {args.hidden}, batch {args.batch} x seq {args.seq}, {args.device}, {gemms}")
     print(f"{'recipe':<12} {'FP8 GEMMs':>9} {'passes (Inductor)':>18} {'of which copies':>16} {'passes (one by one)':>20}  "
           "fp8fx ops in Inductor's code")  # fmt: skip
     for r in rows:
         ops = ", ".join(f"{n} {k}" for n, k in r["fp8fx_ops_called"].items()) or "none"
+        one_by_one = "-" if r["memory_passes_one_by_one"] is None else r["memory_passes_one_by_one"]
         print(f"{r['recipe']:<12} {r['fp8_gemms']:>9} {r['memory_passes_added']:>18} {r['transposed_copies']:>16} "
-              f"{r['memory_passes_one_by_one']:>20}  {ops}")  # fmt: skip
+              f"{one_by_one:>20}  {ops}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)

@@ -21,6 +21,8 @@ import contextlib
 from collections import Counter
 from collections.abc import Iterator
 
+import torch
+
 from fp8fx.compiler.lowering import CHARGED_TO, EMULATED_GEMMS, LOWERED_FROM
 
 _active: list[KernelPasses] = []
@@ -29,7 +31,10 @@ _active: list[KernelPasses] = []
 class KernelPasses:
     """Passes per charged GEMM ((site, role) -> count) over the graphs compiled while counting."""
 
-    def __init__(self) -> None:
+    def __init__(self, charge=None) -> None:
+        # Which GEMM a scheduled node's FP8 work is charged to (`_charge`; a benchmark counting
+        # another library's kernels passes its own).
+        self.charge = charge or _charge
         self.passes: Counter = Counter()
         # Which graphs Inductor scheduled: "forward" (or inference) and "backward"; a graph served
         # from its cache is not scheduled, and its GEMMs keep the passes' estimate.
@@ -60,7 +65,7 @@ class KernelPasses:
             if kernel.is_extern():
                 continue
             parts = kernel.get_nodes()
-            charges = {part: _charge(part) for part in parts}
+            charges = {part: self.charge(part) for part in parts}
             if not any(charges.values()):
                 continue
             for part, charge in charges.items():
@@ -68,20 +73,33 @@ class KernelPasses:
                     outlives = dep.name in outputs or kernels_reading[dep.name] > (dep.name in read_by[kernel])
                     self.passes[charge] += large(dep) and outlives
             part_reads = {p: {d.name for d in p.read_writes.reads} for p in parts}
-            for dep in kernel.read_writes.reads:
+            # One pass per tensor a kernel reads, however many indices it reads it at (a rotary
+            # embedding's gradient reads both halves of each row).
+            for dep in {d.name: d for d in kernel.read_writes.reads}.values():
                 readers = [p for p in parts if dep.name in part_reads[p]]
                 if large(dep) and readers and all(charges[p] for p in readers):
                     self.passes[charges[readers[0]]] += 1
 
 
 def _charge(part) -> tuple[str, str] | None:
-    """The GEMM a scheduled node's FP8 work is charged to (None: it does none, or it is part of an
-    emulated GEMM, into which Inductor may inline the cast it reads)."""
+    """The GEMM a scheduled node's FP8 work is charged to (None: it does none, or it computes part
+    of an emulated GEMM, into which Inductor may inline the cast it reads)."""
     node = getattr(part, "node", None)
     origins = list(node.get_origins()) if node is not None else []
-    if any(o.meta.get(LOWERED_FROM) in EMULATED_GEMMS for o in origins):
+    if any(o.meta.get(LOWERED_FROM) in EMULATED_GEMMS and computes(o) for o in origins):
         return None
-    return next((o.meta[CHARGED_TO] for o in origins if CHARGED_TO in o.meta), None)
+    # The GEMM most of its charged nodes serve: Inductor also names the scalar nodes a kernel inlines
+    # (another cast's scale) among its origins.
+    charges = Counter(o.meta[CHARGED_TO] for o in sorted(origins, key=lambda o: o.name) if CHARGED_TO in o.meta)
+    return charges.most_common(1)[0][0] if charges else None
+
+
+def computes(origin) -> bool:
+    """Whether an FX node computes in a kernel it is an origin of. A view does not, nor does
+    `aten._scaled_mm`: Inductor names it an origin of the cast kernel that writes its operand in
+    the layout cuBLAS takes."""
+    target = origin.target
+    return not (getattr(target, "is_view", False) or target in (torch.ops.aten._unsafe_view.default, torch.ops.aten._scaled_mm.default))
 
 
 def count_after_fusion(kernels: list) -> list:

@@ -73,7 +73,27 @@ def _scaled(x: Tensor, scale: Tensor, block: list[int]) -> Tensor:
 
 def _cast(x: Tensor, scale: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:
     fmt = fp8_format_of(dtype)
+    if not block and x.dim() > 1 and not x.is_contiguous():  # (a scale per block reads x's dims in order)
+        order = _memory_order(x)
+        if order is not None:
+            return _cast(x.permute(order), scale, dtype, block).permute(_inverse(order))
     return _scaled(x, scale, block).clamp(-fmt.max, fmt.max).to(dtype)
+
+
+def _memory_order(x: Tensor) -> list[int] | None:
+    """The permutation of x's dimensions that is contiguous (x dense in another order, as an
+    attention output is), or None. A cast computed in that order writes its FP8 tensor in x's
+    memory order: Inductor lays an elementwise result out in the order it computes it, and a GEMM
+    reading a transposed view of it would need a copy."""
+    if not all(isinstance(s, int) for s in x.stride()):
+        return None
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+    permuted = x.permute(order)
+    return order if permuted.is_contiguous() else None
+
+
+def _inverse(order: list[int]) -> list[int]:
+    return sorted(range(len(order)), key=order.__getitem__)
 
 
 def _scale_inverse(scale: Tensor) -> Tensor:

@@ -129,7 +129,6 @@ class _Inserter:
                     amax = self.add(torch.ops._c10d_functional.wait_tensor.default, (amax,), tag_from=tag_from)
                 most_recent = d.algo is AmaxComputeAlgo.MOST_RECENT
                 update_args = (delayed.handle, state_key, amax, fmt.max, spec.margin, spec.power_of_two, most_recent, d.interval)
-            computed = [n for n in (amax, scale) if n is not None]  # what backward makes again with weight_fp8="recompute" (not the tap)
             if self.ctx.taps.monitor is not None:  # the runtime monitor samples what this cast receives
                 tap_args = (scale, [x], self.ctx.taps.monitor, Monitor.tap_key(state_key, fmt, block))
                 scale = self.add(fp8fx_ops.tap.default, tap_args, tag_from=tag_from)
@@ -138,8 +137,8 @@ class _Inserter:
         if update:
             with self.graph.inserting_before(self.output):  # after every read of the state's old values
                 self.add(fp8fx_ops.delayed_scale_step.default, update_args, tag_from=tag_from)
-        if x in self.weights:  # backward casts the weight again
-            for node in (*computed, fp8, scale_inv):
+        if x in self.weights:  # backward casts the weight again, with the scale forward saved (a
+            for node in (fp8, scale_inv):  # scalar or a few, where an amax again reads the weight)
                 node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         q = Quantized(fp8, scale_inv, state_key if spec.delayed is not None else None)
         self.cache[(x, spec)] = q

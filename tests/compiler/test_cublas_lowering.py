@@ -105,3 +105,14 @@ def test_a_cublas_training_step_calls_scaled_mm_from_inductor_code(recipe):
     assert fp8fx_calls(code) == []
     assert len(re.findall(r"extern_kernels\._scaled_mm\(|aten\._scaled_mm\.default\(", code)) == gemms
     assert sqnr(loss, fp32_loss) > 50 and sqnr(grads, fp32_grads) > 18  # measured: 75-83 dB and 23-25 dB
+    # Each FP8 tensor Inductor's kernels write for cuBLAS (a cast or a layout copy) costs at least
+    # its write and a read of its source: the report's passes count them all, weights' casts too
+    # (Inductor names `_scaled_mm` among the origins of the cast kernel writing its operand).
+    fp8_buffers = len(re.findall(r"empty_strided_cpu\([^\n]*torch\.float8_e", code))
+    assert fp8fx.report(backend).summary()["memory_passes_added"] >= 2 * fp8_buffers
+    if recipe == "tensorwise":  # each activation is cast once, in its [batch, tokens, features] storage: the
+        # attention output too, which SDPA stores token-major behind a [batch, heads, tokens] view, and
+        # whose cast computed in that view's order was written head-major and then copied for its GEMM
+        forward = re.findall(r"empty_strided_cpu\(\(([\d, ]+)\), \([\d, ]+\), torch\.float8_e4m3fn\)", code.split("AOT ID")[1])
+        assert forward and not [shape for shape in forward if shape.startswith(f"{ids.numel()}, ")]
+

@@ -99,6 +99,33 @@ def test_casts_in_a_bf16_step_read_the_bf16_tensors(recipe, monkeypatch):
     assert {n.args[0].meta["val"].dtype for n in scalings} == {torch.bfloat16}
 
 
+def test_backward_casts_the_weights_again_with_the_scales_forward_saved(monkeypatch):
+    """weight_fp8="recompute" (the default under dynamic scaling): backward casts each weight
+    again, with the scale forward computed and saved (a scalar); an amax of a weight in backward
+    would read the whole weight again."""
+    import fp8fx.compiler.backend as fp8fx_backend
+    from fp8fx.compiler.lowering import LOWERED_FROM
+
+    graphs = []
+    lower = fp8fx_backend.lower_elementwise
+    monkeypatch.setattr(fp8fx_backend, "lower_elementwise", lambda gm, kept_whole: (graphs.append(gm), lower(gm, kept_whole))[1])
+    model = one_layer_llama()
+    ids = torch.randint(0, 512, (2, 16))
+    compiled = torch.compile(model, backend=fp8fx.backend(policy=fp8fx.Policy.from_recipe("tensorwise"), inner="inductor"))
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+        compiled(input_ids=ids, labels=ids).loss.backward()
+    backward = [gm for gm in graphs if any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)]
+    assert len(backward) == 1
+
+    def read_weights(op):  # the lowered `op` nodes' inputs that are the forward's inputs (the weights)
+        nodes = [n for n in backward[0].graph.nodes if n.meta.get(LOWERED_FROM) == op.default.name()]
+        return {a.name for n in nodes for a in n.all_input_nodes if a.op == "placeholder" and a.name.startswith("primals")}
+
+    assert len(read_weights(ops.cast)) == 8  # 7 projections and the LM head
+    assert read_weights(ops.amax) == set()
+
+
 def test_compiled_casts_equal_the_ops_bit_for_bit():
     """Generated casts (shapes, dtypes, formats, granularities, margins, power-of-two and MX floor
     scales, zeros, inf, NaN) in one compiled graph against the ops run eagerly."""
