@@ -1,7 +1,7 @@
 """What Inductor runs of fp8fx's FP8 work in a Llama training step, countable on any machine.
 
 Run: python bench/fusion_counts.py [--layers 1 --hidden 256 --intermediate 512 --seq 128 --batch 4]
-         [--recipes tensorwise,rowwise] [--device cpu|cuda] [--kernels auto|triton|scaled_mm] [--json OUT]
+         [--recipes tensorwise,rowwise,torchao-tensorwise,torchao-rowwise] [--device cpu|cuda] [--kernels auto|triton|scaled_mm] [--json OUT]
      TRITON_INTERPRET=1 python bench/fusion_counts.py --kernels triton   # the GEMMs a GPU runs, on CPU
      python bench/fusion_counts.py --cublas   # the graph a GPU's cuBLAS GEMMs make (aten._scaled_mm), on CPU
 
@@ -17,7 +17,9 @@ reading it and costs nothing; under Triton's interpreter with `--kernels triton`
 whole, as on a GPU, and the copies are kernels of their own. With `--cublas` the GEMMs that a GPU
 gives to cuBLAS become `aten._scaled_mm` calls, as on a GPU (torch's CPU `_scaled_mm` runs them), and
 every cast and layout copy feeding them is a kernel of its own: the count closest to a GPU's that a
-CPU can make (Inductor's CPU code fuses much as its GPU code does, not exactly).
+CPU can make (Inductor's CPU code fuses much as its GPU code does, not exactly). A recipe named
+torchao-<recipe> counts torchao's float8 training of the same model alike (`torchao_charge`): its
+GEMMs `_scaled_mm` calls with --cublas, emulated otherwise. The project's target: at most torchao's.
 """
 
 from __future__ import annotations

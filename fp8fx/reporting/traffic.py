@@ -20,20 +20,22 @@ _NOT_TRAFFIC = {*LAYOUT_OPS, *TRANSPARENT_OPS, operator.getitem} - {torch.ops.at
 
 def non_gemm_bytes(graph: fx.Graph) -> dict[str, int]:
     """Per module FQN: bytes the graph's non-GEMM ops move, each result written once and read once
-    in 2-byte precision (what a BF16 step with elementwise chains fused moves). Views and GEMMs
-    (attention and convolutions included) are not counted."""
+    in 2-byte precision (what a BF16 step with elementwise chains fused moves); every result of an
+    op with several (a layer norm's output, mean and rstd; its backward's three gradients). Views
+    and GEMMs (attention and convolutions included) are not counted."""
     found: dict[str, int] = defaultdict(int)
     for node in graph.nodes:
         val = node.meta.get("val")
-        if node.op != "call_function" or not isinstance(val, torch.Tensor) or node.target in _NOT_TRAFFIC:
+        if node.op != "call_function" or node.target in _NOT_TRAFFIC or is_matrix_product(node):
             continue
-        if is_matrix_product(node) or val.dtype in FP8_DTYPES:
-            continue
-        numel = val.numel()
-        if not isinstance(numel, int):  # dynamic shapes: no size to count
-            continue
-        itemsize = 2 if val.dtype.is_floating_point else val.element_size()
-        found[_owner(node)] += 2 * numel * itemsize
+        for result in val if isinstance(val, (tuple, list)) else (val,):
+            if not isinstance(result, torch.Tensor) or result.dtype in FP8_DTYPES:
+                continue
+            numel = result.numel()
+            if not isinstance(numel, int):  # dynamic shapes: no size to count
+                continue
+            itemsize = 2 if result.dtype.is_floating_point else result.element_size()
+            found[_owner(node)] += 2 * numel * itemsize
     return dict(found)
 
 

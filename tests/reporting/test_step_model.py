@@ -145,3 +145,19 @@ def test_a_training_step_holds_attention_other_ops_and_the_optimizer():
     inference = fp8fx.analyze(model, (ids,)).with_predictions("h100")
     assert inference.param_bytes is None and inference.step.optimizer_us == 0
     assert any("no optimizer" in line for line in inference.summary_lines())
+
+
+def test_other_ops_count_every_result_of_an_op_with_several():
+    """A layer norm's output, mean and rstd (and its backward's three gradients) are each written
+    once and read once: an op with several results was not counted at all, and GPT-3's LayerNorms
+    went missing from its step's other ops."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fp8fx.reporting.traffic import non_gemm_bytes
+
+    rows, cols = 8, 32
+    gm = make_fx(lambda x, w, b: torch.ops.aten.native_layer_norm(x, [cols], w, b, 1e-5)[0])(
+        torch.randn(rows, cols), torch.ones(cols), torch.zeros(cols)
+    )
+    assert any(n.target is torch.ops.aten.native_layer_norm.default for n in gm.graph.nodes)
+    assert sum(non_gemm_bytes(gm.graph).values()) == 2 * 2 * (rows * cols + rows + rows)  # write + read, 2 bytes
