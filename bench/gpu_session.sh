@@ -3,7 +3,9 @@
 # 1. bench/llama_gpu.py: BF16, torchao and fp8fx training steps of a Llama-3-8B-shaped model, each
 #    variant in its own process, with a profile of one step and Inductor's code (llama_code.tgz);
 # 2. fp8fx selftest --quick (kernels against the CPU reference, GEMM timings, the dispatch table),
-#    when SELFTEST_S > 0.
+#    when SELFTEST_S > 0;
+# 3. bench/fusion_counts.py on the GPU: the memory passes fp8fx's and torchao's casts add, from the
+#    kernels Inductor's GPU backend made (tensorwise and rowwise), when FUSION_S > 0.
 # LLAMA_S and SELFTEST_S bound each stage in seconds; VARIANTS picks llama_gpu.py's variants,
 # LLAMA_ARGS adds options (e.g. "--model gpt3-6.7b --seq 2048"), TAG names this stage's files
 # (llama_gpu_<TAG>.json ...) so that several stages can write to one $OUT.
@@ -26,4 +28,8 @@ timeout "${LLAMA_S:-420}" python3 bench/llama_gpu.py ${LLAMA_ARGS:-} --variants 
 tar czf "$out/${name}_code.tgz" -C /tmp "$name"
 if [ "${SELFTEST_S:-0}" -gt 0 ]; then
     timeout "$SELFTEST_S" python3 -m fp8fx selftest --quick --out "$out/selftest.json" 2>&1 | tail -40 | tee "$out/selftest.log"
+fi
+if [ "${FUSION_S:-0}" -gt 0 ]; then
+    timeout "$FUSION_S" python3 bench/fusion_counts.py --device cuda --recipes tensorwise,rowwise,torchao-tensorwise,torchao-rowwise \
+        --json "$out/fusion_counts.json" 2>&1 | tail -8 | tee "$out/fusion_counts.log"
 fi

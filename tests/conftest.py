@@ -35,6 +35,7 @@ RUN_FIRST = (
     "compiler/test_reproducible.py",
     "compiler/test_state_at_prepare.py",
     "compiler/test_cache.py",
+    "tools/test_fusion_counts.py",
     "integrations/test_integration_torchtitan.py",
     "reporting/test_uncaptured.py",
     "tools/test_analyze.py",

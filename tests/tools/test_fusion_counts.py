@@ -1,0 +1,37 @@
+"""bench/fusion_counts.py on the graph a GPU runs (cuBLAS GEMMs as `aten._scaled_mm`, which torch's
+CPU build runs): fp8fx's casts add no more memory passes than torchao's float8 training of the
+same model, counted alike from the kernels Inductor made."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+
+
+@pytest.fixture
+def tiny_cublas_args(monkeypatch):
+    from fp8fx.compiler import lowering
+
+    monkeypatch.setattr(lowering, "CUBLAS_DEVICES", ("cpu", "cuda"))
+    args = dict(layers=1, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=512, seq=16, batch=2, device="cpu",
+                kernels="auto", cublas=True)  # fmt: skip
+    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+        yield argparse.Namespace(**args)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8fx_adds_at_most_torchaos_passes(recipe, tiny_cublas_args):
+    pytest.importorskip("torchao")
+    import fusion_counts
+
+    ours = fusion_counts.count(recipe, tiny_cublas_args)
+    theirs = fusion_counts.count(f"torchao-{recipe}", tiny_cublas_args)
+    assert ours["fp8_gemms"] == theirs["fp8_gemms"] == 24 and ours["fp8fx_ops_called"] == {}
+    # measured: 111 against 113 tensorwise, 79 against 89 rowwise
+    assert 0 < ours["memory_passes_added"] <= theirs["memory_passes_added"]
