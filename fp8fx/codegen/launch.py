@@ -555,7 +555,7 @@ def cast(x: Tensor, scale: Tensor, dtype: torch.dtype, block: tuple = ()) -> Ten
     a permuted tensor) it casts a contiguous copy and lays the result out after."""
     fp8_format_of(dtype)
     block = tuple(block)
-    device = _check_device({"x": x, "scale": scale})
+    _check_device({"x": x, "scale": scale})
     if x.dim() < 2 or (x.dim() > 2 and block and block[0] != 1):
         raise ValueError(
             f"fp8fx cast: needs a 2-D tensor (N-D only tensorwise or with row blocks of 1), got {tuple(x.shape)} with block {block}"

@@ -99,7 +99,9 @@ def computes(origin) -> bool:
     `aten._scaled_mm`: Inductor names it an origin of the cast kernel that writes its operand in
     the layout cuBLAS takes."""
     target = origin.target
-    return not (getattr(target, "is_view", False) or target in (torch.ops.aten._unsafe_view.default, torch.ops.aten._scaled_mm.default))
+    return not (
+        getattr(target, "is_view", False) or target in (torch.ops.aten._unsafe_view.default, torch.ops.aten._scaled_mm.default)
+    )
 
 
 def count_after_fusion(kernels: list) -> list:
