@@ -36,6 +36,7 @@ from fp8fx.core.epilogue import PLAIN, Epilogue
 from fp8fx.core.formats import fp8_format_of
 from fp8fx.core.recipes import MX_BLOCK
 from fp8fx.core.scaling import NVFP4_E4M3_MAX, scale_shape
+from fp8fx.ops.reference import storage_order
 
 ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned bases and row strides; vector loads like them too
 INTERPRETER_SMS = 3  # "SMs" a persistent kernel spreads over under the interpreter (exercises its tile loop)
@@ -539,12 +540,6 @@ def quantize(
     return out, scale
 
 
-def _storage_order(x: Tensor) -> list[int]:
-    """The dims of `x` from the outermost in memory to the innermost (a permutation that makes a
-    dense `x` contiguous)."""
-    return sorted(range(x.dim()), key=lambda d: (-x.stride(d), -d))
-
-
 def cast(x: Tensor, scale: Tensor, dtype: torch.dtype, block: tuple = ()) -> Tensor:
     """Saturating cast of `x * scale` to FP8 with scales computed beforehand (`fp8fx::cast`).
 
@@ -567,7 +562,7 @@ def cast(x: Tensor, scale: Tensor, dtype: torch.dtype, block: tuple = ()) -> Ten
     out = torch.empty_like(x, dtype=dtype)
     x_in, out_in = x, out
     if not block and out.stride() == x.stride():  # elementwise: any order of dims will do, memory's reads best
-        order = _storage_order(x)
+        order = storage_order(x)
         x_in, out_in = x.permute(order), out.permute(order)
     try:
         x2, out2 = x_in.view(-1, x_in.shape[-1]), out_in.view(-1, x_in.shape[-1])

@@ -87,9 +87,8 @@ def _memory_order(x: Tensor) -> list[int] | None:
     reading a transposed view of it would need a copy."""
     if not all(isinstance(s, int) for s in x.stride()):
         return None
-    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
-    permuted = x.permute(order)
-    return order if permuted.is_contiguous() else None
+    order = reference.storage_order(x)
+    return order if x.permute(order).is_contiguous() else None
 
 
 def _inverse(order: list[int]) -> list[int]:
