@@ -62,4 +62,3 @@ def pytest_xdist_make_scheduler(config, log):
 
         return WorkStealingScheduling(config, log)
     return None
-

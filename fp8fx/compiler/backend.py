@@ -550,9 +550,9 @@ def backend(
 
     `weight_fp8` is what backward's GEMMs read of a weight: "keep" (the FP8 copy forward made,
     saved for backward) or "recompute" (cast again in backward from the weight, which is alive
-    anyway, with the scale forward computed: fewer saved bytes for one more cast per weight; dynamic
-    scaling only). "auto"
-    (the default) is "recompute" under dynamic scaling and "keep" under delayed scaling: a kept
+    anyway, with the scale forward computed: fewer saved bytes for one more cast per weight;
+    dynamic scaling only). "auto" (the default) is "recompute" under dynamic scaling and "keep"
+    under delayed scaling: a kept
     copy holds every layer's FP8 weights from forward to backward (all of them unsharded under
     FSDP), which put a Llama step's peak above BF16's for 0.3-0.9 ms less per step (docs/results.md)."""
     return Fp8fxBackend(

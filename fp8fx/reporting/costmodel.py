@@ -81,7 +81,7 @@ single MXFP8 quantize into both layouts; power and clock limits (TE's BF16 GEMMs
 from 0.66 to 0.77 of peak by shape); NVFP4's random Hadamard transform and 2D weight blocks. In a
 step: the other ops' bytes count each op's result once, so an op Inductor runs as several kernels
 but the graph holds as one (LayerNorm) counts less than one the graph holds decomposed (RMSNorm):
-the GPT-3-shaped step's other ops are under-predicted (BF16 34.0 ms against 36.5 measured); an
+the GPT-3-shaped step's other ops are under-predicted (BF16 34.3 ms against 36.5 measured); an
 analysis counts the casts' passes as the ops run one by one, not from Inductor's kernels; flash
 attention (no explicit mask, causal) runs faster than `attention_efficiency`; no per-shape
 GEMM rates (cuBLAS's small FP8 GEMMs run further from the peak than the tile model says).

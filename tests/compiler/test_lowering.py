@@ -13,6 +13,7 @@ from helpers import fp8fx_calls, one_layer_llama
 from torch._inductor.utils import run_and_get_code
 
 import fp8fx
+from fp8fx.compiler.lowering import LOWERED_FROM
 from fp8fx.core.formats import Fp8Format
 
 ops = torch.ops.fp8fx
@@ -75,24 +76,30 @@ def _cast_case(rng: random.Random, g: torch.Generator):
     return x.to(dtype), (fmt, block, margin, power_of_two, rounding)
 
 
+def lowered_step_graphs(monkeypatch, recipe: str, dtype: torch.dtype = torch.float32) -> list[torch.fx.GraphModule]:
+    """The graphs (forward, backward) Inductor gets from one training step of the one-layer Llama
+    in `dtype`, with their fp8fx ops lowered to ATen ops."""
+    import fp8fx.compiler.backend as fp8fx_backend
+
+    graphs = []
+    lower = fp8fx_backend.lower_elementwise
+    monkeypatch.setattr(fp8fx_backend, "lower_elementwise", lambda gm, kept_whole: (graphs.append(gm), lower(gm, kept_whole))[1])
+    model = one_layer_llama().to(dtype)
+    ids = torch.randint(0, 512, (2, 16))
+    compiled = torch.compile(model, backend=fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor"))
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+        compiled(input_ids=ids, labels=ids).loss.backward()
+    return graphs
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_casts_in_a_bf16_step_read_the_bf16_tensors(recipe, monkeypatch):
     """The product that scales a cast's input reads the BF16 tensor the model computed. An explicit
     fp32 upcast there was folded by Inductor's `pointless_convert` into the fp32 value before its
     rounding to BF16, which the cast then read and Inductor kept (two fp32 MLP gradients at an
     H100 Llama step's peak)."""
-    import fp8fx.compiler.backend as fp8fx_backend
-    from fp8fx.compiler.lowering import LOWERED_FROM
-
-    graphs = []
-    lower = fp8fx_backend.lower_elementwise
-    monkeypatch.setattr(fp8fx_backend, "lower_elementwise", lambda gm, kept_whole: (graphs.append(gm), lower(gm, kept_whole))[1])
-    model = one_layer_llama().to(torch.bfloat16)
-    ids = torch.randint(0, 512, (2, 16))
-    compiled = torch.compile(model, backend=fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor"))
-    torch._dynamo.reset()
-    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
-        compiled(input_ids=ids, labels=ids).loss.backward()
+    graphs = lowered_step_graphs(monkeypatch, recipe, torch.bfloat16)
     cast = ops.cast.default.name()
     scalings = [n for gm in graphs for n in gm.graph.nodes if n.meta.get(LOWERED_FROM) == cast and n.target is torch.ops.aten.mul.Tensor]
     assert len(scalings) >= 24  # every operand of the 24 GEMMs
@@ -103,18 +110,7 @@ def test_backward_casts_the_weights_again_with_the_scales_forward_saved(monkeypa
     """weight_fp8="recompute" (the default under dynamic scaling): backward casts each weight
     again, with the scale forward computed and saved (a scalar); an amax of a weight in backward
     would read the whole weight again."""
-    import fp8fx.compiler.backend as fp8fx_backend
-    from fp8fx.compiler.lowering import LOWERED_FROM
-
-    graphs = []
-    lower = fp8fx_backend.lower_elementwise
-    monkeypatch.setattr(fp8fx_backend, "lower_elementwise", lambda gm, kept_whole: (graphs.append(gm), lower(gm, kept_whole))[1])
-    model = one_layer_llama()
-    ids = torch.randint(0, 512, (2, 16))
-    compiled = torch.compile(model, backend=fp8fx.backend(policy=fp8fx.Policy.from_recipe("tensorwise"), inner="inductor"))
-    torch._dynamo.reset()
-    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
-        compiled(input_ids=ids, labels=ids).loss.backward()
+    graphs = lowered_step_graphs(monkeypatch, "tensorwise")
     backward = [gm for gm in graphs if any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)]
     assert len(backward) == 1
 
