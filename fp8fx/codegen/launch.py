@@ -35,8 +35,7 @@ from fp8fx.core import fp4
 from fp8fx.core.epilogue import PLAIN, Epilogue
 from fp8fx.core.formats import fp8_format_of
 from fp8fx.core.recipes import MX_BLOCK
-from fp8fx.core.scaling import NVFP4_E4M3_MAX, scale_shape
-from fp8fx.ops.reference import storage_order
+from fp8fx.core.scaling import NVFP4_E4M3_MAX, scale_shape, storage_order
 
 ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned bases and row strides; vector loads like them too
 INTERPRETER_SMS = 3  # "SMs" a persistent kernel spreads over under the interpreter (exercises its tile loop)

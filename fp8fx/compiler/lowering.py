@@ -87,7 +87,7 @@ def _memory_order(x: Tensor) -> list[int] | None:
     reading a transposed view of it would need a copy."""
     if not all(isinstance(s, int) for s in x.stride()):
         return None
-    order = reference.storage_order(x)
+    order = scaling.storage_order(x)
     return order if x.permute(order).is_contiguous() else None
 
 

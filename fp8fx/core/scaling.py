@@ -181,3 +181,9 @@ def nvfp4_scales(block_amax: Tensor) -> tuple[Tensor, Tensor]:
     block = nvfp4_block_scales(finite, tensor_scale_inv).to(torch.float32)
     scale = ((1.0 / tensor_scale_inv) / block).clamp(max=_FP32_MAX)
     return scale, tensor_scale_inv * block
+
+
+def storage_order(x: Tensor) -> list[int]:
+    """The dims of `x` from the outermost in memory to the innermost (a permutation that makes a
+    dense `x` contiguous)."""
+    return sorted(range(x.dim()), key=lambda d: (-x.stride(d), -d))

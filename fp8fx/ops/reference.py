@@ -64,12 +64,6 @@ def amax_to_scale(amax: Tensor, fp8_max: float, margin: int, power_of_two: bool,
     return scaling.amax_to_scale(amax, fp8_max, margin, power_of_two, rounding)
 
 
-def storage_order(x: Tensor) -> list[int]:
-    """The dims of `x` from the outermost in memory to the innermost (a permutation that makes a
-    dense `x` contiguous)."""
-    return sorted(range(x.dim()), key=lambda d: (-x.stride(d), -d))
-
-
 def laid_out_like(result: Tensor, x: Tensor) -> Tensor:
     """`result` (of `x`'s shape) in the layout `torch.empty_like(x)` gives, which the fakes of the
     elementwise ops promise: a copy only where torch's elementwise kernels chose another (they follow
