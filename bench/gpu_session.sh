@@ -5,7 +5,9 @@
 # 2. fp8fx selftest --quick (kernels against the CPU reference, GEMM timings, the dispatch table),
 #    when SELFTEST_S > 0;
 # 3. bench/fusion_counts.py on the GPU: the memory passes fp8fx's and torchao's casts add, from the
-#    kernels Inductor's GPU backend made (tensorwise and rowwise), when FUSION_S > 0.
+#    kernels Inductor's GPU backend made (tensorwise and rowwise), when FUSION_S > 0;
+# 4. bench/launch_overhead.py on the GPU: host time per generated-kernel GEMM call, beside
+#    torch._scaled_mm's, when LAUNCH_S > 0.
 # LLAMA_S and SELFTEST_S bound each stage in seconds; VARIANTS picks llama_gpu.py's variants,
 # LLAMA_ARGS adds options (e.g. "--model gpt3-6.7b --seq 2048"), TAG names this stage's files
 # (llama_gpu_<TAG>.json ...) so that several stages can write to one $OUT.
@@ -32,4 +34,7 @@ fi
 if [ "${FUSION_S:-0}" -gt 0 ]; then
     timeout "$FUSION_S" python3 bench/fusion_counts.py --device cuda --recipes tensorwise,rowwise,torchao-tensorwise,torchao-rowwise \
         --json "$out/fusion_counts.json" 2>&1 | tail -8 | tee "$out/fusion_counts.log"
+fi
+if [ "${LAUNCH_S:-0}" -gt 0 ]; then
+    timeout "$LAUNCH_S" python3 bench/launch_overhead.py --device cuda --json "$out/launch_overhead.json" 2>&1 | tail -8 | tee "$out/launch_overhead.log"
 fi

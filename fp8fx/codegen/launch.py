@@ -12,6 +12,7 @@ has to be switched on before fp8fx is imported: `TRITON_INTERPRET=1`.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -140,6 +141,42 @@ def _multiprocessors(device: torch.device) -> int:
     return INTERPRETER_SMS
 
 
+class GemmPlan(NamedTuple):
+    """What one call signature of `fp8_gemm` launches, validated once: the variant, its constexprs,
+    the kernel family and its autotuner, and the SMs a persistent kernel spreads over."""
+
+    variant: GemmVariant
+    constexprs: dict
+    family: str
+    kernel: object
+    sms: int
+
+
+@functools.lru_cache(maxsize=1024)
+def gemm_plan(
+    variant_fields: tuple, device: torch.device, present: tuple[bool, bool, bool, bool], family: str | None, empty_k: bool
+) -> GemmPlan:
+    """The launch plan of the `GemmVariant(*variant_fields)` on `device`, with `present` (bias,
+    other, residual, out_scale) tensors. Built once per signature: a training step calls each
+    GEMM's kernel with the same one, so its checks and lookups are not paid per call. Raises naming
+    what does not fit."""
+    variant = GemmVariant(*variant_fields)
+    epilogue, constexprs = variant.epilogue, variant.constexprs()
+    wanted = (epilogue.bias, epilogue.mul != "none", epilogue.residual, constexprs["OUT_FP8"])
+    for name, has, wants in zip(("bias", "other", "residual", "out_scale"), present, wanted):
+        if wants != has:
+            raise ValueError(f"fp8fx FP8 GEMM: epilogue {epilogue.spec() or 'plain'!r} {'needs' if wants else 'takes no'} {name}")
+    target = device_target(device)
+    family = family or gemm_family(target, variant)
+    if family == "mx" and not variant.mx:
+        raise ValueError(
+            f"fp8fx FP8 GEMM: kernel family mx runs MX blocks (1, 32) x (32, 1) only, got {variant.block_a} x {variant.block_b}"
+        )
+    if empty_k:
+        family = "pointer"  # nothing to load: a descriptor cannot describe an empty K
+    return GemmPlan(variant, constexprs, family, autotuner(target, family, variant), _multiprocessors(device))
+
+
 def fp8_gemm(
     a: Tensor,
     b: Tensor,
@@ -163,8 +200,6 @@ def fp8_gemm(
     a: [M, K] FP8, b: [K, N] FP8, any strides (operands that are not K-contiguous with aligned rows
     are copied first). `family` forces the kernel family ("pointer", "tma", or "mx" for MX blocks);
     by default `dispatch.gemm_family`'s. Returns (out, aux or None, amax or None)."""
-    block_a, block_b = tuple(block_a), tuple(block_b)
-    variant = GemmVariant(a.dtype, b.dtype, block_a, block_b, epilogue, out_dtype, aux_dtype, fast_accum)
     device = _check_device(
         {
             "a": a,
@@ -180,26 +215,21 @@ def fp8_gemm(
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"fp8fx FP8 GEMM: needs 2-D [M, K] @ [K, N], got {tuple(a.shape)} @ {tuple(b.shape)}")
     (m, k), n = a.shape, b.shape[1]
+    block_a, block_b = tuple(block_a), tuple(block_b)
     _check_scales("fp8fx FP8 GEMM", ("scale_inv_a", scale_inv_a, a, block_a), ("scale_inv_b", scale_inv_b, b, block_b))
-    for name, t, wanted, shape in (
-        ("bias", bias, epilogue.bias, (n,)),
-        ("other", other, epilogue.mul != "none", (m, n)),
-        ("residual", residual, epilogue.residual, (m, n)),
-        ("out_scale", out_scale, variant.constexprs()["OUT_FP8"], ()),
+    present = (bias is not None, other is not None, residual is not None, out_scale is not None)
+    plan = gemm_plan(
+        (a.dtype, b.dtype, block_a, block_b, epilogue, out_dtype, aux_dtype, fast_accum), device, present, family, k == 0
+    )
+    for name, t, shape in (
+        ("bias", bias, (n,)),
+        ("other", other, (m, n)),
+        ("residual", residual, (m, n)),
+        ("out_scale", out_scale, ()),
     ):
-        if wanted != (t is not None):
-            raise ValueError(
-                f"fp8fx FP8 GEMM: epilogue {epilogue.spec() or 'plain'!r} {'needs' if wanted else 'takes no'} {name}"
-            )
         if t is not None:
             _check_shape(name, t, shape)
     scale_inv_a, scale_inv_b = scale_inv_a.contiguous(), scale_inv_b.contiguous()  # unit inner stride, as the kernels are built
-    target = device_target(device)
-    family = family or gemm_family(target, variant)
-    if family == "mx" and not variant.mx:
-        raise ValueError(f"fp8fx FP8 GEMM: kernel family mx runs MX blocks (1, 32) x (32, 1) only, got {block_a} x {block_b}")
-    if k == 0:
-        family = "pointer"  # nothing to load: a descriptor cannot describe an empty K
     a, bt = rows_aligned(a), rows_aligned(b.t())
     bias = bias.contiguous() if bias is not None else None
 
@@ -213,6 +243,7 @@ def fp8_gemm(
     def strides(t):
         return (t.stride(0), t.stride(1)) if t is not None else (0, 0)
 
+    family = plan.family
     if family != "tma":
         operands = (a, bt.t())
     else:
@@ -228,9 +259,8 @@ def fp8_gemm(
         *_scale_strides(scale_inv_a, block_a), *_scale_strides(scale_inv_b, block_b),
         *strides(other), *strides(residual), *strides(aux),
     )  # fmt: skip
-    sms = _multiprocessors(device)
-    kernel = autotuner(target, family, variant)
-    kernel[lambda meta: gemm_grid(m, n, _config_of(meta), family, sms)](*args, **variant.constexprs())
+    sms = plan.sms
+    plan.kernel[lambda meta: gemm_grid(m, n, _config_of(meta), family, sms)](*args, **plan.constexprs)
     return out, aux, amax
 
 

@@ -185,6 +185,29 @@ def test_gemm_rejects_bad_arguments():
         launch.fp8_gemm(a.to(torch.float32).to(E5M2), b.float().to(E5M2).t().contiguous().t(), sa, sb)
 
 
+def test_a_call_signature_is_planned_once_and_each_call_still_checked():
+    """The launcher validates a call signature (variant, device, tensors present, family) once
+    (`launch.gemm_plan`); the checks that depend on each call's tensors still run on every call,
+    and a signature that fails is not cached."""
+    a, sa = fp8_operand((32, 64), E4M3, (), 1)
+    b, sb = fp8_operand((64, 32), E4M3, (), 2, column_major=True)
+    bias = torch.randn(32)
+    launch.gemm_plan.cache_clear()
+    first = launch.fp8_gemm(a, b, sa, sb, epilogue=Epilogue(bias=True), bias=bias)
+    again = launch.fp8_gemm(a, b, sa, sb, epilogue=Epilogue(bias=True), bias=bias)
+    info = launch.gemm_plan.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
+    torch.testing.assert_close(first[0], again[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"bias must have shape \(32,\)"):
+        launch.fp8_gemm(a, b, sa, sb, epilogue=Epilogue(bias=True), bias=torch.randn(31))
+    with pytest.raises(ValueError, match="scale_inv_b must be fp32"):
+        launch.fp8_gemm(a, b, sa, sb.double(), epilogue=Epilogue(bias=True), bias=bias)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="takes no bias"):
+            launch.fp8_gemm(a, b, sa, sb, bias=bias)
+    assert launch.gemm_plan.cache_info().currsize == 1
+
+
 def test_backend_runs_the_kernels_it_reports():
     """kernels="triton" runs every fused FP8 GEMM of a training step in the generated kernels
     (transposed backward operands included); "auto" runs the generated kernel where the epilogue

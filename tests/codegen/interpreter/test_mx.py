@@ -135,15 +135,15 @@ def test_mxfp8_training_step_runs_the_block_scaled_kernel(monkeypatch):
     for one FP8 value rounded the other way where the next cast happens)."""
     from test_shapes import kernel_and_emulated_steps
 
-    from fp8fx.codegen import dispatch
-
     families = []
+    planned = launch.gemm_plan
 
-    def recorded(target, variant):
-        families.append(dispatch.gemm_family(target, variant))
-        return families[-1]
+    def recorded(*args):  # the family each launch runs (its call signature's plan)
+        plan = planned(*args)
+        families.append(plan.family)
+        return plan
 
-    monkeypatch.setattr(launch, "gemm_family", recorded)
+    monkeypatch.setattr(launch, "gemm_plan", recorded)
     # One program per 32-element scale block in the interpreter's casts: a small Mlp(32, 64) on 40
     # tokens still has one- and two-block K (32, 64) and a partial block (the tokens, grad_weight's K).
     results = kernel_and_emulated_steps("mxfp8", monkeypatch, d=32, hidden=64, batch=1)

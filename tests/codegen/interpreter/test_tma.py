@@ -113,6 +113,23 @@ def test_one_row_operands_get_an_aligned_descriptor_stride():
     assert b_desc.strides == [bt.stride(0), 1] and bt.stride(0) % 16 == 0
 
 
+@pytest.mark.parametrize("shape,transposed", [((1, 50), False), ((7, 130), False), ((100, 130), True), ((40, 16), True)])
+def test_descriptors_equal_the_constructors(shape, transposed):
+    """The launcher's descriptors, built without the constructor's per-call checks, hold what
+    Triton's TensorDescriptor constructor makes of the same aligned operand, field for field, and
+    no tensor but their own (on the Triton installed: .ci/compat runs Triton 3.6)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from fp8fx.codegen.tma_kernel import descriptor
+
+    t = torch.zeros(shape[::-1] if transposed else shape, dtype=E4M3)
+    t = launch.rows_aligned(t.t() if transposed else t)
+    fast, built = descriptor(t), TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [16, 16])
+    assert type(fast) is TensorDescriptor and vars(fast).keys() == vars(built).keys()
+    assert fast.base is t
+    assert {k: v for k, v in vars(fast).items() if k != "base"} == {k: v for k, v in vars(built).items() if k != "base"}
+
+
 def test_tma_kernel_takes_the_pointer_kernels_arguments():
     """The launcher's contract: the pointer kernel's arguments with descriptors for the operand
     pointers and without their strides (and its own family's config constexprs, which have
