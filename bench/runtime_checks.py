@@ -37,7 +37,7 @@ def main() -> None:
     for name, options in variants.items():
         model = copy.deepcopy(base)
         compiled = torch.compile(model, backend=fp8fx.backend(inner="eager", **options))
-        medians[name] = time_steps(model, compiled, tokens, args.steps)[1]
+        medians[name] = time_steps(model, compiled, tokens, args.steps, profile=False)[1]
         torch._dynamo.reset()
     for name, median in medians.items():
         print(f"{name:18s} step {1000 * median:7.1f} ms   x{median / medians['off']:.2f} of off")
