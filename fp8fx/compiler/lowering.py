@@ -269,10 +269,11 @@ def lay_out_operands(gm: fx.GraphModule) -> set[tuple[str, str]]:
             if (operand, side) not in laid:
                 with gm.graph.inserting_before(gemm):
                     contiguous = {"memory_format": torch.contiguous_format}
+                    source = _stored_view(gm, fake_mode, operand, gemm)
                     if side == 0:
-                        copy = laid[(operand, side)] = add_node(gm.graph, fake_mode, aten.clone.default, (operand,), contiguous, tag_from=gemm)
+                        copy = laid[(operand, side)] = add_node(gm.graph, fake_mode, aten.clone.default, (source,), contiguous, tag_from=gemm)
                     else:  # column-major: the transpose's row-major copy, transposed back
-                        t = add_node(gm.graph, fake_mode, aten.permute.default, (operand, [1, 0]), tag_from=gemm)
+                        t = add_node(gm.graph, fake_mode, aten.permute.default, (source, [1, 0]), tag_from=gemm)
                         copy = add_node(gm.graph, fake_mode, aten.clone.default, (t,), contiguous, tag_from=gemm)
                         laid[(operand, side)] = add_node(gm.graph, fake_mode, aten.permute.default, (copy, [1, 0]), tag_from=gemm)
                 copy.meta[CHARGED_TO] = (ann.site, ann.role)
@@ -281,3 +282,24 @@ def lay_out_operands(gm: fx.GraphModule) -> set[tuple[str, str]]:
             gemm.args = tuple(args)
     gm.recompile()
     return gemms
+
+
+def _stored_view(gm: fx.GraphModule, fake_mode, operand: fx.Node, gemm: fx.Node) -> fx.Node:
+    """`operand`, read from its FP8 tensor in memory where that tensor is stored anyway: the
+    tensor a chain of views of `operand` starts from, when something besides that chain reads it
+    (the other GEMM of a gradient cast once for both). Inductor would otherwise compute the copy
+    from the cast's own inputs, reading the BF16 tensor again (2 bytes a value, and the scale
+    arithmetic) where the stored FP8 tensor is 1. `as_strided` makes Inductor store the tensor
+    before the copy reads it, whatever order the GEMMs come in."""
+    chain, base = [], operand
+    while base.op == "call_function" and getattr(base.target, "is_view", False) and isinstance(base.args[0], fx.Node):
+        chain.append(base)
+        base = base.args[0]
+    val = operand.meta["val"]
+    layout = (list(val.shape), list(val.stride()), val.storage_offset())
+    others = [u for n in (*chain, base) for u in n.users if u not in chain and u is not gemm]
+    static = all(isinstance(d, int) for d in (*layout[0], *layout[1], layout[2]))  # (a symbolic size would need its graph node)
+    if base.op != "call_function" or base.meta["val"].dtype not in FP8_DTYPES or not others or not static:
+        return operand
+    args = (base, *layout)
+    return add_node(gm.graph, fake_mode, aten.as_strided.default, args, tag_from=gemm)

@@ -115,3 +115,41 @@ def test_a_cublas_training_step_calls_scaled_mm_from_inductor_code(recipe):
         # whose cast computed in that view's order was written head-major and then copied for its GEMM
         forward = re.findall(r"empty_strided_cpu\(\(([\d, ]+)\), \([\d, ]+\), torch\.float8_e4m3fn\)", code.split("AOT ID")[1])
         assert forward and not [shape for shape in forward if shape.startswith(f"{ids.numel()}, ")]
+
+
+@pytest.mark.usefixtures("cublas_on_cpu")
+def test_a_gradient_cast_once_is_copied_for_its_other_layout_from_memory(monkeypatch):
+    """Tensorwise: a gradient's one FP8 tensor serves both backward GEMMs, row-major for the input
+    gradient and column-major for the weight gradient. The column-major copy reads the stored FP8
+    tensor (through `as_strided`, which makes Inductor store it first), not the BF16 gradient that
+    Inductor would otherwise cast again for it (2 bytes a value instead of 1)."""
+    from test_lowering import lowered_step_graphs
+
+    graphs = lowered_step_graphs(monkeypatch, "tensorwise", torch.bfloat16)
+    backward = [gm for gm in graphs if any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)]
+    scaled_mm = torch.ops.aten._scaled_mm.default
+    copies = [n for n in backward[0].graph.nodes if n.target is torch.ops.aten.clone.default and lowering.CHARGED_TO in n.meta]
+    from_memory = [n for n in copies if any(a.target is torch.ops.aten.as_strided.default for a in _view_chain(n.args[0]))]
+    # the output gradients of the 8 weight gradients (7 projections and the LM head), each the
+    # operand of an input gradient's GEMM too
+    bases = [_view_chain(n.args[0])[-1].args[0] for n in from_memory]
+    assert len(from_memory) == 8
+    assert all(b.meta["val"].dtype == torch.float8_e5m2 and scaled_mm in _read_through_views(b) for b in bases)
+
+
+def _view_chain(node):
+    """`node` and the views it is made from, down to the first `as_strided` or node that is not a view."""
+    chain = [node]
+    while getattr(chain[-1].target, "is_view", False) and chain[-1].target is not torch.ops.aten.as_strided.default:
+        chain.append(chain[-1].args[0])
+    return chain
+
+
+def _read_through_views(node) -> set:
+    """The targets of the nodes that read `node` directly or through views (an `as_strided` excepted)."""
+    found, frontier = set(), [node]
+    while frontier:
+        users = [u for n in frontier for u in n.users]
+        found |= {u.target for u in users}
+        frontier = [u for u in users if getattr(u.target, "is_view", False) and u.target is not torch.ops.aten.as_strided.default]
+    return found
