@@ -160,6 +160,17 @@ def _fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, 
                                        block_b, epilogue, _to_fp32)  # fmt: skip
 
 
+def runs_emulated(gemm: fx.Node) -> bool:
+    """Whether an `fp8fx::` GEMM node becomes the exact CPU emulation here (`_scaled_mm`, `_fp8_gemm`)."""
+    a, b = (x.meta["val"] for x in gemm.args[:2])
+    if gemm.target is fp8fx_ops.scaled_mm.default:
+        return _emulated(a, b)
+    if gemm.target is fp8fx_ops.fp8_gemm.default:
+        block_a, block_b, gpu_kernel = gemm.args[10], gemm.args[11], gemm.kwargs["gpu_kernel"]
+        return not _on_cublas(a, b, block_a, block_b, gpu_kernel) and _emulated(a, b, gpu_kernel)
+    return False
+
+
 LOWERED = {
     fp8fx_ops.amax.default: _amax,
     fp8fx_ops.amax_to_scale.default: reference.amax_to_scale,  # scalar tensor ops already
@@ -290,7 +301,10 @@ def _stored_view(gm: fx.GraphModule, fake_mode, operand: fx.Node, gemm: fx.Node)
     (the other GEMM of a gradient cast once for both). Inductor would otherwise compute the copy
     from the cast's own inputs, reading the BF16 tensor again (2 bytes a value, and the scale
     arithmetic) where the stored FP8 tensor is 1. `as_strided` makes Inductor store the tensor
-    before the copy reads it, whatever order the GEMMs come in."""
+    before the copy reads it, whatever order the GEMMs come in. Not for an emulated GEMM, whose
+    ATen ops Inductor fuses with the cast: nothing stores its FP8 tensor there."""
+    if runs_emulated(gemm):
+        return operand
     chain, base = [], operand
     while base.op == "call_function" and getattr(base.target, "is_view", False) and isinstance(base.args[0], fx.Node):
         chain.append(base)
