@@ -13,6 +13,7 @@ from helpers import fp8fx_calls, one_layer_llama
 from torch._inductor.utils import run_and_get_code
 
 import fp8fx
+from fp8fx.compiler import lowering
 from fp8fx.compiler.lowering import LOWERED_FROM
 from fp8fx.core.formats import Fp8Format
 
@@ -95,15 +96,48 @@ def lowered_step_graphs(monkeypatch, recipe: str, dtype: torch.dtype = torch.flo
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_casts_in_a_bf16_step_read_the_bf16_tensors(recipe, monkeypatch):
-    """The product that scales a cast's input reads the BF16 tensor the model computed. An explicit
+    """On the graph a GPU runs (its GEMMs cuBLAS's `aten._scaled_mm`, which torch's CPU build runs):
+    the product that scales a cast's input reads the BF16 tensor the model computed. An explicit
     fp32 upcast there was folded by Inductor's `pointless_convert` into the fp32 value before its
     rounding to BF16, which the cast then read and Inductor kept (two fp32 MLP gradients at an
-    H100 Llama step's peak)."""
+    H100 Llama step's peak).
+
+    Tensorwise, a gradient's one FP8 tensor serves both backward GEMMs, row-major for the input
+    gradient and column-major for the weight gradient: the column-major copy reads the stored FP8
+    tensor (through `as_strided`, which makes Inductor store it first), not the BF16 gradient that
+    Inductor would otherwise cast again for it (2 bytes a value instead of 1)."""
+    monkeypatch.setattr(lowering, "CUBLAS_DEVICES", ("cpu", "cuda"))
     graphs = lowered_step_graphs(monkeypatch, recipe, torch.bfloat16)
     cast = ops.cast.default.name()
     scalings = [n for gm in graphs for n in gm.graph.nodes if n.meta.get(LOWERED_FROM) == cast and n.target is torch.ops.aten.mul.Tensor]
     assert len(scalings) >= 24  # every operand of the 24 GEMMs
     assert {n.args[0].meta["val"].dtype for n in scalings} == {torch.bfloat16}
+    backward = [gm for gm in graphs if any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)]
+    copies = [n for n in backward[0].graph.nodes if n.target is torch.ops.aten.clone.default and lowering.CHARGED_TO in n.meta]
+    stored = [chain[-1].args[0] for chain in map(_view_chain, (n.args[0] for n in copies)) if chain[-1].target is torch.ops.aten.as_strided.default]
+    assert all(b.meta["val"].dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for b in stored)
+    if recipe == "tensorwise":  # the output gradients of the 8 weight gradients (7 projections and the LM
+        # head), each the operand of an input gradient's `_scaled_mm` too
+        assert len(stored) == 8
+        assert all(b.meta["val"].dtype == torch.float8_e5m2 and torch.ops.aten._scaled_mm.default in _read_through_views(b) for b in stored)
+
+
+def _view_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """`node` and the views it is made from, down to the first `as_strided` or node that is not a view."""
+    chain = [node]
+    while getattr(chain[-1].target, "is_view", False) and chain[-1].target is not torch.ops.aten.as_strided.default:
+        chain.append(chain[-1].args[0])
+    return chain
+
+
+def _read_through_views(node: torch.fx.Node) -> set:
+    """The targets of the nodes that read `node` directly or through views (an `as_strided` excepted)."""
+    found, frontier = set(), [node]
+    while frontier:
+        users = [u for n in frontier for u in n.users]
+        found |= {u.target for u in users}
+        frontier = [u for u in users if getattr(u.target, "is_view", False) and u.target is not torch.ops.aten.as_strided.default]
+    return found
 
 
 def test_backward_casts_the_weights_again_with_the_scales_forward_saved(monkeypatch):
