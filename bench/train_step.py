@@ -3,7 +3,8 @@ torchao's float8 emulate mode, each pair with the same inner compiler.
 
 Run: python bench/train_step.py [--inner inductor|eager|both] [--layers 2 --dim 256 --seq 128 --batch 8]
 Prints, per inner compiler, the first step (compile + run), the median of the next steps and the
-time per step in Inductor's compiled kernels (profiled; FP8's elementwise work), and the ratios the project targets: fp8fx's step overhead over plain at most torchao emulate's (an exact
+time per step in Inductor's compiled kernels (profiled; FP8's elementwise work), and the ratios
+the project targets: fp8fx's step overhead over plain at most torchao emulate's (an exact
 emulation's fp32 GEMMs alone take a plain step's time), first step <= 1.15x plain.
 --saved-outputs high keeps the GEMM outputs backward reads as they are, as torchao does: by default
 fp8fx saves BF16 copies of them, which on this fp32 model are extra writes (on a BF16 model, none).
@@ -50,10 +51,9 @@ def build_model(args):
 
 def time_steps(model: torch.nn.Module, compiled, tokens: torch.Tensor, steps: int, profile: bool = True) -> tuple[float, float, float]:
     """(first step s, median step s, ms per step in Inductor's compiled kernels, 0 without
-    `profile`). The last is the
-    compiled graphs' own CPU time over 5 profiled steps: the GEMMs and attention they call are ops
-    of their own in the profile, so it is the elementwise and reduction work, FP8's casts included,
-    and far less noisy than a step's wall time."""
+    `profile`). The last is the compiled graphs' own CPU time over 5 profiled steps: the GEMMs and
+    attention they call are ops of their own in the profile, so it is the elementwise and reduction
+    work, FP8's casts included, and far less noisy than a step's wall time."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 
     def step():

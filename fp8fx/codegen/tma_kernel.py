@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -249,6 +250,4 @@ def descriptor(t) -> TensorDescriptor:
 
 @functools.cache
 def _checked_descriptor() -> TensorDescriptor:
-    import torch
-
     return TensorDescriptor(torch.empty(16, 16, dtype=torch.uint8), [16, 16], [16, 1], [16, 16])

@@ -160,7 +160,7 @@ def _fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, 
                                        block_b, epilogue, _to_fp32)  # fmt: skip
 
 
-def runs_emulated(gemm: fx.Node) -> bool:
+def _runs_emulated(gemm: fx.Node) -> bool:
     """Whether an `fp8fx::` GEMM node becomes the exact CPU emulation here (`_scaled_mm`, `_fp8_gemm`)."""
     a, b = (x.meta["val"] for x in gemm.args[:2])
     if gemm.target is fp8fx_ops.scaled_mm.default:
@@ -260,8 +260,8 @@ def lay_out_operands(gm: fx.GraphModule) -> set[tuple[str, str]]:
     """Give each 2-D FP8 GEMM operand that is not K-contiguous a K-major copy in the graph, one per
     tensor and layout, before lowering. Inductor writes a copy of a tensor cast
     here from the cast's kernel (which reads the high-precision tensor once), and a copy of an FP8
-    tensor forward saved for backward in a tiled transpose kernel, which the GEMMs reading that
-    tensor share. The GPU launcher's own copy of a transposed FP8 tensor is a strided elementwise
+    tensor forward saved for backward, or stored for another GEMM (`_stored_view`), in a tiled
+    transpose kernel, which the GEMMs reading that tensor share. The GPU launcher's own copy of a transposed FP8 tensor is a strided elementwise
     kernel, several times slower than either. Each copy is charged to the first GEMM that reads it
     (`CHARGED_TO`), so the kernel it runs in counts towards that GEMM's memory passes. Returns the
     (site, role) of the GEMMs whose launchers are left no copy to make (every 2-D GEMM)."""
@@ -303,7 +303,7 @@ def _stored_view(gm: fx.GraphModule, fake_mode, operand: fx.Node, gemm: fx.Node)
     arithmetic) where the stored FP8 tensor is 1. `as_strided` makes Inductor store the tensor
     before the copy reads it, whatever order the GEMMs come in. Not for an emulated GEMM, whose
     ATen ops Inductor fuses with the cast: nothing stores its FP8 tensor there."""
-    if runs_emulated(gemm):
+    if _runs_emulated(gemm):
         return operand
     chain, base = [], operand
     while base.op == "call_function" and getattr(base.target, "is_view", False) and isinstance(base.args[0], fx.Node):
