@@ -150,14 +150,19 @@ def _scaled_mm(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, block_a, block_b
     return reference.emulated_mm(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, block_a, block_b, _to_fp32)
 
 
+def _fp8_gemm_emulated(a: Tensor, b: Tensor, block_a: list[int], block_b: list[int], gpu_kernel: str) -> bool:
+    """Whether an `fp8fx::fp8_gemm` on `a`, `b` runs the exact CPU emulation: one the graph does not
+    give to cuBLAS."""
+    return not _on_cublas(a, b, block_a, block_b, gpu_kernel) and _emulated(a, b, gpu_kernel)
+
+
 def _fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, *,
               gpu_kernel, fast_accum):  # fmt: skip
+    if _fp8_gemm_emulated(a, b, block_a, block_b, gpu_kernel):
+        return reference.emulated_fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype,
+                                           block_a, block_b, epilogue, _to_fp32)  # fmt: skip
     args = (a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue)
-    lowered = _cublas_fp8_gemm(*args, gpu_kernel=gpu_kernel, fast_accum=fast_accum)
-    if lowered is not NotImplemented or not _emulated(a, b, gpu_kernel):
-        return lowered
-    return reference.emulated_fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a,
-                                       block_b, epilogue, _to_fp32)  # fmt: skip
+    return _cublas_fp8_gemm(*args, gpu_kernel=gpu_kernel, fast_accum=fast_accum)
 
 
 def _runs_emulated(gemm: fx.Node) -> bool:
@@ -166,8 +171,7 @@ def _runs_emulated(gemm: fx.Node) -> bool:
     if gemm.target is fp8fx_ops.scaled_mm.default:
         return _emulated(a, b)
     if gemm.target is fp8fx_ops.fp8_gemm.default:
-        block_a, block_b, gpu_kernel = gemm.args[10], gemm.args[11], gemm.kwargs["gpu_kernel"]
-        return not _on_cublas(a, b, block_a, block_b, gpu_kernel) and _emulated(a, b, gpu_kernel)
+        return _fp8_gemm_emulated(a, b, gemm.args[10], gemm.args[11], gemm.kwargs["gpu_kernel"])
     return False
 
 
