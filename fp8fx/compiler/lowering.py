@@ -304,20 +304,23 @@ def _stored_view(gm: fx.GraphModule, fake_mode, operand: fx.Node, gemm: fx.Node)
     tensor a chain of views of `operand` starts from, when something besides that chain reads it
     (the other GEMM of a gradient cast once for both). Inductor would otherwise compute the copy
     from the cast's own inputs, reading the BF16 tensor again (2 bytes a value, and the scale
-    arithmetic) where the stored FP8 tensor is 1. `as_strided` makes Inductor store the tensor
-    before the copy reads it, whatever order the GEMMs come in. Not for an emulated GEMM, whose
-    ATen ops Inductor fuses with the cast: nothing stores its FP8 tensor there."""
+    arithmetic) where the stored FP8 tensor is 1. An `as_strided` of the tensor onto itself makes
+    Inductor store it before the copy reads it, whatever order the GEMMs come in; the views are
+    replayed on it (a `reshape` among them may copy). Not for an emulated GEMM, whose ATen ops
+    Inductor fuses with the cast: nothing stores its FP8 tensor there."""
     if _runs_emulated(gemm):
         return operand
     chain, base = [], operand
     while base.op == "call_function" and getattr(base.target, "is_view", False) and isinstance(base.args[0], fx.Node):
         chain.append(base)
         base = base.args[0]
-    val = operand.meta["val"]
+    val = base.meta["val"]
     layout = (list(val.shape), list(val.stride()), val.storage_offset())
     others = [u for n in (*chain, base) for u in n.users if u not in chain and u is not gemm]
     static = all(isinstance(d, int) for d in (*layout[0], *layout[1], layout[2]))  # (a symbolic size would need its graph node)
-    if base.op != "call_function" or base.meta["val"].dtype not in FP8_DTYPES or not others or not static:
+    if base.op != "call_function" or val.dtype not in FP8_DTYPES or not others or not static:
         return operand
-    args = (base, *layout)
-    return add_node(gm.graph, fake_mode, aten.as_strided.default, args, tag_from=gemm)
+    view = add_node(gm.graph, fake_mode, aten.as_strided.default, (base, *layout), tag_from=gemm)
+    for node in reversed(chain):  # innermost first
+        view = add_node(gm.graph, fake_mode, node.target, (view, *node.args[1:]), dict(node.kwargs), tag_from=gemm)
+    return view
