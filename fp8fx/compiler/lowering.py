@@ -270,7 +270,7 @@ def lay_out_operands(gm: fx.GraphModule) -> set[tuple[str, str]]:
     (`CHARGED_TO`), so the kernel it runs in counts towards that GEMM's memory passes. Returns the
     (site, role) of the GEMMs whose launchers are left no copy to make (every 2-D GEMM)."""
     fake_mode = fake_mode_of(gm.graph)
-    laid: dict[tuple[fx.Node, int], fx.Node] = {}
+    laid: dict[tuple, fx.Node] = {}
     gemms = set()
     for gemm in [n for n in fp8_gemm_nodes(gm.graph) if n.target is not fp8fx_ops.fp8_grouped_mm.default and annotation(n) is not None]:
         ann = annotation(gemm)
@@ -281,44 +281,73 @@ def lay_out_operands(gm: fx.GraphModule) -> set[tuple[str, str]]:
             val = operand.meta["val"]
             if val.dim() != 2 or k_contiguous(val, side):
                 continue
-            if (operand, side) not in laid:
+            key = (*_views_of(operand), side)  # GEMMs reading one tensor alike (q, k, v's weight gradients) share its copy
+            if key not in laid:
                 with gm.graph.inserting_before(gemm):
-                    contiguous = {"memory_format": torch.contiguous_format}
                     source = _stored_view(gm, fake_mode, operand, gemm)
-                    if side == 0:
-                        copy = laid[(operand, side)] = add_node(gm.graph, fake_mode, aten.clone.default, (source,), contiguous, tag_from=gemm)
-                    else:  # column-major: the transpose's row-major copy, transposed back
-                        t = add_node(gm.graph, fake_mode, aten.permute.default, (source, [1, 0]), tag_from=gemm)
-                        copy = add_node(gm.graph, fake_mode, aten.clone.default, (t,), contiguous, tag_from=gemm)
-                        laid[(operand, side)] = add_node(gm.graph, fake_mode, aten.permute.default, (copy, [1, 0]), tag_from=gemm)
+                    t = source if side == 0 else add_node(gm.graph, fake_mode, aten.permute.default, (source, [1, 0]), tag_from=gemm)
+                    copy = add_node(gm.graph, fake_mode, aten.clone.default, (t,), {"memory_format": torch.contiguous_format}, tag_from=gemm)
+                    laid[key] = _copy_read(gm, fake_mode, copy, side, gemm)
                 copy.meta[CHARGED_TO] = (ann.site, ann.role)
             args = list(gemm.args)
-            args[side] = laid[(operand, side)]
+            args[side] = laid[key]
             gemm.args = tuple(args)
     gm.recompile()
     return gemms
 
 
-def _stored_view(gm: fx.GraphModule, fake_mode, operand: fx.Node, gemm: fx.Node) -> fx.Node:
-    """`operand`, read from its FP8 tensor in memory where that tensor is stored anyway: the
-    tensor a chain of views of `operand` starts from, when something besides that chain reads it
-    (the other GEMM of a gradient cast once for both). Inductor would otherwise compute the copy
-    from the cast's own inputs, reading the BF16 tensor again (2 bytes a value, and the scale
-    arithmetic) where the stored FP8 tensor is 1. An `as_strided` of the tensor onto itself makes
-    Inductor store it before the copy reads it, whatever order the GEMMs come in; the views are
-    replayed on it (a `reshape` among them may copy). Not for an emulated GEMM, whose ATen ops
-    Inductor fuses with the cast: nothing stores its FP8 tensor there."""
-    if _runs_emulated(gemm):
-        return operand
+def _copy_read(gm: fx.GraphModule, fake_mode, copy: fx.Node, side: int, gemm: fx.Node) -> fx.Node:
+    """The GEMMs' operand read from its row-major `copy` (for `side` 1, the copy of its transpose,
+    read transposed back): through `as_strided`, which makes Inductor store the copy once, where a
+    clone or permute would leave each GEMM reading it to make a copy of its own. Not for an
+    emulated GEMM, into whose kernels Inductor fuses the copy, nor for symbolic sizes."""
+    rows, cols = copy.meta["val"].shape
+    if _runs_emulated(gemm) or not (isinstance(rows, int) and isinstance(cols, int)):
+        return copy if side == 0 else add_node(gm.graph, fake_mode, aten.permute.default, (copy, [1, 0]), tag_from=gemm)
+    layout = ([rows, cols], [cols, 1]) if side == 0 else ([cols, rows], [1, cols])
+    return add_node(gm.graph, fake_mode, aten.as_strided.default, (copy, *layout), tag_from=gemm)
+
+
+def _view_chain(operand: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """The tensor `operand` views (itself if it is no view), and the views in between, outermost first."""
     chain, base = [], operand
     while base.op == "call_function" and getattr(base.target, "is_view", False) and isinstance(base.args[0], fx.Node):
         chain.append(base)
         base = base.args[0]
+    return base, chain
+
+
+def _views_of(operand: fx.Node) -> tuple:
+    """What `operand` reads, comparable across nodes: its base tensor and the views taken of it."""
+
+    def frozen(x):
+        return tuple(frozen(y) for y in x) if isinstance(x, (list, tuple)) else x
+
+    base, chain = _view_chain(operand)
+    return base, tuple((n.target, frozen(n.args[1:]), frozen(sorted(n.kwargs.items()))) for n in chain)
+
+
+def _stored_view(gm: fx.GraphModule, fake_mode, operand: fx.Node, gemm: fx.Node) -> fx.Node:
+    """`operand`, read from its FP8 tensor in memory where that tensor is stored anyway: the
+    cast a chain of views of `operand` starts from, when something besides that chain reads it
+    (the other GEMM of a gradient cast once for both). Inductor would otherwise compute the copy
+    from the cast's own inputs, reading the BF16 tensor again (2 bytes a value, and the scale
+    arithmetic) where the stored FP8 tensor is 1. An `as_strided` of the tensor onto itself makes
+    Inductor store it before the copy reads it, whatever order the GEMMs come in; the views are
+    replayed on it (a `reshape` among them may copy). Not where that tensor is itself a layout copy
+    of the cast (a head-major attention gradient made token-major): Inductor computes both layouts
+    in one kernel there, from the cast's inputs, which reading the copy back would split in two.
+    Not for an emulated GEMM either, whose ATen ops Inductor fuses with the cast: nothing stores
+    its FP8 tensor there."""
+    if _runs_emulated(gemm):
+        return operand
+    base, chain = _view_chain(operand)
     val = base.meta["val"]
     layout = (list(val.shape), list(val.stride()), val.storage_offset())
     others = [u for n in (*chain, base) for u in n.users if u not in chain and u is not gemm]
     static = all(isinstance(d, int) for d in (*layout[0], *layout[1], layout[2]))  # (a symbolic size would need its graph node)
-    if base.op != "call_function" or val.dtype not in FP8_DTYPES or not others or not static:
+    copy = base.target in (aten.clone.default, aten.contiguous.default)
+    if base.op != "call_function" or copy or val.dtype not in FP8_DTYPES or not others or not static:
         return operand
     view = add_node(gm.graph, fake_mode, aten.as_strided.default, (base, *layout), tag_from=gemm)
     for node in reversed(chain):  # innermost first

@@ -1,5 +1,5 @@
 """bench/fusion_counts.py on the graph a GPU runs (cuBLAS GEMMs as `aten._scaled_mm`, which torch's
-CPU build runs): fp8fx's casts add no more memory passes than torchao's float8 training of the
+CPU build runs): fp8fx's casts add fewer memory passes than torchao's float8 training of the
 same model, counted alike from the kernels Inductor made."""
 
 from __future__ import annotations
@@ -33,5 +33,5 @@ def test_fp8fx_adds_at_most_torchaos_passes(recipe, tiny_cublas_args):
     ours = fusion_counts.count(recipe, tiny_cublas_args)
     theirs = fusion_counts.count(f"torchao-{recipe}", tiny_cublas_args)
     assert ours["fp8_gemms"] == theirs["fp8_gemms"] == 24 and ours["fp8fx_ops_called"] == {}
-    # measured: 111 against 113 tensorwise, 79 against 89 rowwise
-    assert 0 < ours["memory_passes_added"] <= theirs["memory_passes_added"]
+    # measured: 108 against 113 tensorwise, 76 against 89 rowwise
+    assert 0 < ours["memory_passes_added"] < theirs["memory_passes_added"]
