@@ -20,13 +20,20 @@ every cast and layout copy feeding them is a kernel of its own: the count closes
 CPU can make (Inductor's CPU code fuses much as its GPU code does, not exactly). A recipe named
 torchao-<recipe> counts torchao's float8 training of the same model alike (`torchao_charge`): its
 GEMMs `_scaled_mm` calls with --cublas, emulated otherwise. The project's target: at most torchao's.
+
+`--scheduler triton` (with --cublas) counts the kernels Inductor's Triton scheduler makes of each
+graph, as for a GPU, on CPU tensors: Inductor's Triton backend schedules and fuses them, and the
+count is taken when it would generate their code (a CPU has no Triton driver to build them, so
+nothing runs; the backward graph is compiled by Inductor's C++ backend's forward run first).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import unittest.mock
 
 import torch
 from llama_gpu import fp8fx_ops_called
@@ -61,6 +68,13 @@ def torchao_charge(part) -> tuple[str, str] | None:
     return ("torchao", "float8") if origins and (amax or fp8) else None
 
 
+def operand_numel(model, args) -> int:
+    """The elements of the smallest operand of the model's linear layers' GEMMs."""
+    tokens = args.batch * args.seq
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return min(n for m in linears for n in (m.weight.numel(), tokens * m.in_features, tokens * m.out_features))
+
+
 def count_torchao(recipe: str, args) -> dict:
     """The same count for torchao's float8 training (its GEMMs `_scaled_mm` calls with --cublas, as
     on a GPU; else emulated), charging the kernels that compute torchao's float8 code."""
@@ -70,17 +84,84 @@ def count_torchao(recipe: str, args) -> dict:
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=args.device == "cpu" and not args.cublas)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear))
     gemms = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    tokens = args.batch * args.seq
-    operands = [n for m in gemms for n in (m.weight.numel(), tokens * m.in_features, tokens * m.out_features)]
     passes = KernelPasses(charge=torchao_charge)
     compiled = torch.compile(model)
-    with counting(passes, "forward", max(1, min(operands) // 4)):  # the operand size fp8fx's count uses
+    with counting(passes, "forward", operand_numel(model, args) // 4):  # the operand size fp8fx's count uses
         compiled(input_ids=ids, labels=ids).loss.backward()
     return {"recipe": f"torchao-{recipe}", "fp8_gemms": 3 * len(gemms), "fp8fx_ops_called": {},
             "memory_passes_added": sum(passes.passes.values()), "transposed_copies": 0, "memory_passes_one_by_one": None}  # fmt: skip
 
 
+class _Scheduled(Exception):
+    """Raised where Inductor's Triton backend would generate the code of a graph it has scheduled."""
+
+
+@contextlib.contextmanager
+def scheduled_by_triton(counts: list):
+    """Compile the graphs inside with Inductor's Triton backend on CPU tensors, up to its fused
+    kernels: each graph's passes (counted as the active `KernelPasses` counts, into a fresh one)
+    are appended to `counts` and its compile stops with `_Scheduled`."""
+    import torch.utils._triton as triton_utils
+    from torch._inductor import config
+    from torch._inductor.scheduler import Scheduler
+
+    from fp8fx.compiler import kernel_passes
+
+    def stop(scheduler):
+        active = kernel_passes._active[-1]
+        graph = KernelPasses(charge=active.charge)
+        graph.min_numel = active.min_numel
+        graph.count(scheduler.nodes)
+        counts.append(sum(graph.passes.values()))
+        raise _Scheduled
+
+    # The backend hash names the driver (none on a CPU); no kernel is built, so any name does.
+    with config.patch(cpu_backend="triton"), unittest.mock.patch.object(triton_utils, "triton_hash_with_backend", lambda: "cpu"), \
+            unittest.mock.patch.object(Scheduler, "codegen", stop):  # fmt: skip
+        yield
+
+
+def count_triton_scheduled(recipe: str, args) -> dict:
+    """The passes of one training step's forward and backward graphs, as Inductor's Triton backend
+    fuses them (`scheduled_by_triton`): fp8fx's graphs with their cuBLAS GEMMs as `_scaled_mm`, or
+    torchao's (`torchao-<recipe>`)."""
+    counts = []
+    for graph in ("forward", "backward"):
+        model, ids = llama(args)
+        torchao = recipe.startswith("torchao-")
+        if torchao:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe.removeprefix("torchao-")),
+                                       module_filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear))  # fmt: skip
+            compiled, passes = torch.compile(model), KernelPasses(charge=torchao_charge)
+        else:
+            compiled = torch.compile(model, backend=fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor"))
+        with contextlib.ExitStack() as stack:
+            if torchao:
+                stack.enter_context(counting(passes, "forward", operand_numel(model, args) // 4))
+            loss = compiled(input_ids=ids, labels=ids).loss if graph == "backward" else None
+            try:
+                with scheduled_by_triton(counts):
+                    loss.backward() if loss is not None else compiled(input_ids=ids, labels=ids)
+            except Exception as e:  # Dynamo and Inductor wrap it
+                if not any(isinstance(c, _Scheduled) for c in _causes(e)):
+                    raise
+        assert len(counts) == 1 + (graph == "backward"), f"{recipe}: one {graph} graph expected, {len(counts)} scheduled"
+    gemms = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    return {"recipe": recipe, "fp8_gemms": 3 * gemms, "fp8fx_ops_called": None, "memory_passes_added": sum(counts),
+            "transposed_copies": 0, "memory_passes_one_by_one": None}  # fmt: skip
+
+
+def _causes(e: BaseException):
+    while e is not None:
+        yield e
+        e = e.__cause__ or e.__context__
+
+
 def count(recipe: str, args) -> dict:
+    if args.scheduler == "triton":
+        return count_triton_scheduled(recipe, args)
     if recipe.startswith("torchao-"):
         return count_torchao(recipe.removeprefix("torchao-"), args)
     model, ids = llama(args)
@@ -113,8 +194,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--kernels", default="auto", choices=["auto", "triton", "scaled_mm"])
     ap.add_argument("--cublas", action="store_true", help="lower cuBLAS GEMMs to aten._scaled_mm on CPU too, as on a GPU")
+    ap.add_argument("--scheduler", default="cpp", choices=["cpp", "triton"], help="triton (with --cublas): count the kernels of Inductor's Triton backend")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
+    if args.scheduler == "triton" and not (args.cublas and args.device == "cpu"):
+        ap.error("--scheduler triton counts the graph a GPU runs on CPU tensors: it needs --cublas and --device cpu")
     if args.cublas:
         from fp8fx.compiler import lowering
 
@@ -123,11 +207,12 @@ def main() -> None:
     torch._functorch.config.enable_autograd_cache = False
     rows = [count(recipe, args) for recipe in args.recipes.split(",")]
     gemms = "cuBLAS (aten._scaled_mm)" if args.cublas else f"kernels={args.kernels}"
+    gemms += ", Triton's scheduler" if args.scheduler == "triton" else ""
     print(f"Llama {args.layers} layer(s), hidden {args.hidden}, batch {args.batch} x seq {args.seq}, {args.device}, {gemms}")
     print(f"{'recipe':<12} {'FP8 GEMMs':>9} {'passes (Inductor)':>18} {'of which copies':>16} {'passes (one by one)':>20}  "
           "fp8fx ops in Inductor's code")  # fmt: skip
     for r in rows:
-        ops = ", ".join(f"{n} {k}" for n, k in r["fp8fx_ops_called"].items()) or "none"
+        ops = "-" if r["fp8fx_ops_called"] is None else ", ".join(f"{n} {k}" for n, k in r["fp8fx_ops_called"].items()) or "none"
         one_by_one = "-" if r["memory_passes_one_by_one"] is None else r["memory_passes_one_by_one"]
         print(f"{r['recipe']:<12} {r['fp8_gemms']:>9} {r['memory_passes_added']:>18} {r['transposed_copies']:>16} "
               f"{one_by_one:>20}  {ops}")  # fmt: skip
