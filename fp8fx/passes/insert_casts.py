@@ -138,8 +138,9 @@ class _Inserter:
             with self.graph.inserting_before(self.output):  # after every read of the state's old values
                 self.add(fp8fx_ops.delayed_scale_step.default, update_args, tag_from=tag_from)
         if x in self.weights:  # backward casts the weight again, with the scale forward saved (a
-            for node in (fp8, scale_inv):  # scalar or a few, where an amax again reads the weight)
-                node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            # scalar or a few, where an amax again reads the weight), and the scale's inverse forward
+            # saved: computed again in backward it was a kernel of its own there (a GPU launch).
+            fp8.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         q = Quantized(fp8, scale_inv, state_key if spec.delayed is not None else None)
         self.cache[(x, spec)] = q
         return q

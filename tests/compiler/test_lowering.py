@@ -154,7 +154,8 @@ def _read_through_views(node: torch.fx.Node) -> set:
 def test_backward_casts_the_weights_again_with_the_scales_forward_saved(monkeypatch):
     """weight_fp8="recompute" (the default under dynamic scaling): backward casts each weight
     again, with the scale forward computed and saved (a scalar); an amax of a weight in backward
-    would read the whole weight again."""
+    would read the whole weight again. The scale's inverse, which the GEMMs read, is saved too:
+    computed again in backward it was a kernel of its own (a launch per weight on a GPU)."""
     graphs = lowered_step_graphs(monkeypatch, "tensorwise")
     backward = [gm for gm in graphs if any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)]
     assert len(backward) == 1
@@ -165,6 +166,8 @@ def test_backward_casts_the_weights_again_with_the_scales_forward_saved(monkeypa
 
     assert len(read_weights(ops.cast)) == 8  # 7 projections and the LM head
     assert read_weights(ops.amax) == set()
+    inverses = [n for n in backward[0].graph.nodes if n.meta.get(LOWERED_FROM) == ops.scale_inverse.default.name()]
+    assert all(a.op != "placeholder" for n in inverses for a in n.all_input_nodes)  # none of a scale forward saved
 
 
 def test_compiled_casts_equal_the_ops_bit_for_bit():
