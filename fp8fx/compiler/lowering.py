@@ -329,7 +329,7 @@ def _views_of(operand: fx.Node) -> tuple:
 
 def _stored_view(gm: fx.GraphModule, fake_mode, operand: fx.Node, gemm: fx.Node) -> fx.Node:
     """`operand`, read from its FP8 tensor in memory where that tensor is stored anyway: the
-    cast a chain of views of `operand` starts from, when something besides that chain reads it
+    tensor a chain of views of `operand` starts from, when something besides that chain reads it
     (the other GEMM of a gradient cast once for both). Inductor would otherwise compute the copy
     from the cast's own inputs, reading the BF16 tensor again (2 bytes a value, and the scale
     arithmetic) where the stored FP8 tensor is 1. An `as_strided` of the tensor onto itself makes
