@@ -99,8 +99,9 @@ class _Scheduled(Exception):
 @contextlib.contextmanager
 def scheduled_by_triton(counts: list):
     """Compile the graphs inside with Inductor's Triton backend on CPU tensors, up to its fused
-    kernels: each graph's passes (counted as the active `KernelPasses` counts, into a fresh one)
-    are appended to `counts` and its compile stops with `_Scheduled`."""
+    kernels: each graph's passes (counted as the active `KernelPasses` counts, into a fresh one) and
+    generated kernels (each a Triton build and a launch on a GPU) are appended to `counts`, and its
+    compile stops with `_Scheduled`."""
     import torch.utils._triton as triton_utils
     from torch._inductor import config
     from torch._inductor.scheduler import Scheduler
@@ -112,7 +113,7 @@ def scheduled_by_triton(counts: list):
         graph = KernelPasses(charge=active.charge)
         graph.min_numel = active.min_numel
         graph.count(scheduler.nodes)
-        counts.append(sum(graph.passes.values()))
+        counts.append((sum(graph.passes.values()), sum(not n.is_extern() for n in scheduler.nodes)))
         raise _Scheduled
 
     # The backend hash names the driver (none on a CPU); no kernel is built, so any name does.
@@ -122,9 +123,9 @@ def scheduled_by_triton(counts: list):
 
 
 def count_triton_scheduled(recipe: str, args) -> dict:
-    """The passes of one training step's forward and backward graphs, as Inductor's Triton backend
-    fuses them (`scheduled_by_triton`): fp8fx's graphs with their cuBLAS GEMMs as `_scaled_mm`, or
-    torchao's (`torchao-<recipe>`)."""
+    """The passes and kernels (forward, backward) of one training step's graphs, as Inductor's
+    Triton backend fuses them (`scheduled_by_triton`): fp8fx's graphs with their cuBLAS GEMMs as
+    `_scaled_mm`, or torchao's (`torchao-<recipe>`)."""
     counts = []
     for graph in ("forward", "backward"):
         model, ids = llama(args)
@@ -149,8 +150,8 @@ def count_triton_scheduled(recipe: str, args) -> dict:
                     raise
         assert len(counts) == 1 + (graph == "backward"), f"{recipe}: one {graph} graph expected, {len(counts)} scheduled"
     gemms = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    return {"recipe": recipe, "fp8_gemms": 3 * gemms, "fp8fx_ops_called": None, "memory_passes_added": sum(counts),
-            "transposed_copies": 0, "memory_passes_one_by_one": None}  # fmt: skip
+    return {"recipe": recipe, "fp8_gemms": 3 * gemms, "fp8fx_ops_called": None, "memory_passes_added": sum(p for p, _ in counts),
+            "transposed_copies": 0, "memory_passes_one_by_one": None, "kernels": [k for _, k in counts]}  # fmt: skip
 
 
 def _causes(e: BaseException):
@@ -214,8 +215,9 @@ def main() -> None:
     for r in rows:
         ops = "-" if r["fp8fx_ops_called"] is None else ", ".join(f"{n} {k}" for n, k in r["fp8fx_ops_called"].items()) or "none"
         one_by_one = "-" if r["memory_passes_one_by_one"] is None else r["memory_passes_one_by_one"]
+        kernels = f"  (kernels: forward {r['kernels'][0]}, backward {r['kernels'][1]})" if "kernels" in r else ""
         print(f"{r['recipe']:<12} {r['fp8_gemms']:>9} {r['memory_passes_added']:>18} {r['transposed_copies']:>16} "
-              f"{one_by_one:>20}  {ops}")  # fmt: skip
+              f"{one_by_one:>20}  {ops}{kernels}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)
