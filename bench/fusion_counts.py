@@ -75,14 +75,21 @@ def operand_numel(model, args) -> int:
     return min(n for m in linears for n in (m.weight.numel(), tokens * m.in_features, tokens * m.out_features))
 
 
-def count_torchao(recipe: str, args) -> dict:
-    """The same count for torchao's float8 training (its GEMMs `_scaled_mm` calls with --cublas, as
-    on a GPU; else emulated), charging the kernels that compute torchao's float8 code."""
+def torchao_llama(recipe: str, args):
+    """The Llama with torchao's float8 training of `recipe` (its GEMMs `_scaled_mm` calls with
+    --cublas, as on a GPU; else emulated on CPU), and its input ids."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     model, ids = llama(args)
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=args.device == "cpu" and not args.cublas)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear))
+    return model, ids
+
+
+def count_torchao(recipe: str, args) -> dict:
+    """The same count for torchao's float8 training (`torchao_llama`), charging the kernels that
+    compute torchao's float8 code."""
+    model, ids = torchao_llama(recipe, args)
     gemms = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     passes = KernelPasses(charge=torchao_charge)
     compiled = torch.compile(model)
@@ -128,15 +135,12 @@ def count_triton_scheduled(recipe: str, args) -> dict:
     `_scaled_mm`, or torchao's (`torchao-<recipe>`)."""
     counts = []
     for graph in ("forward", "backward"):
-        model, ids = llama(args)
         torchao = recipe.startswith("torchao-")
         if torchao:
-            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-            convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe.removeprefix("torchao-")),
-                                       module_filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear))  # fmt: skip
+            model, ids = torchao_llama(recipe.removeprefix("torchao-"), args)
             compiled, passes = torch.compile(model), KernelPasses(charge=torchao_charge)
         else:
+            model, ids = llama(args)
             compiled = torch.compile(model, backend=fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor"))
         with contextlib.ExitStack() as stack:
             if torchao:

@@ -36,7 +36,7 @@ from fp8fx.core import scaling
 from fp8fx.core.formats import FP8_DTYPES, fp8_format_of
 from fp8fx.ops import cuda, reference
 from fp8fx.passes.annotation import annotation, fp8_gemm_nodes
-from fp8fx.passes.graph_utils import add_node, decompose_nodes, fake_mode_of, k_contiguous
+from fp8fx.passes.graph_utils import add_node, decompose_nodes, fake_mode_of, k_contiguous, views_key
 
 fp8fx_ops = torch.ops.fp8fx
 aten = torch.ops.aten
@@ -276,18 +276,20 @@ def lay_out_operands(gm: fx.GraphModule) -> set[tuple[str, str]]:
         ann = annotation(gemm)
         if all(x.meta["val"].dim() == 2 for x in gemm.args[:2]):
             gemms.add((ann.site, ann.role))
+        emulated = _runs_emulated(gemm)
         for side in (0, 1):
             operand = gemm.args[side]
             val = operand.meta["val"]
             if val.dim() != 2 or k_contiguous(val, side):
                 continue
-            key = (*_views_of(operand), side)  # GEMMs reading one tensor alike (q, k, v's weight gradients) share its copy
+            key = (*views_key(*_view_chain(operand)), side)  # GEMMs reading one tensor alike (q, k, v's weight gradients) share its copy
             if key not in laid:
                 with gm.graph.inserting_before(gemm):
-                    source = _stored_view(gm, fake_mode, operand, gemm)
+                    # An emulated GEMM's ATen ops fuse with the cast and the copy: nothing stores them.
+                    source = operand if emulated else _stored_view(gm, fake_mode, operand, gemm)
                     t = source if side == 0 else add_node(gm.graph, fake_mode, aten.permute.default, (source, [1, 0]), tag_from=gemm)
                     copy = add_node(gm.graph, fake_mode, aten.clone.default, (t,), {"memory_format": torch.contiguous_format}, tag_from=gemm)
-                    laid[key] = _copy_read(gm, fake_mode, copy, side, gemm)
+                    laid[key] = _copy_read(gm, fake_mode, copy, side, gemm, emulated)
                 copy.meta[CHARGED_TO] = (ann.site, ann.role)
             args = list(gemm.args)
             args[side] = laid[key]
@@ -296,13 +298,13 @@ def lay_out_operands(gm: fx.GraphModule) -> set[tuple[str, str]]:
     return gemms
 
 
-def _copy_read(gm: fx.GraphModule, fake_mode, copy: fx.Node, side: int, gemm: fx.Node) -> fx.Node:
+def _copy_read(gm: fx.GraphModule, fake_mode, copy: fx.Node, side: int, gemm: fx.Node, emulated: bool) -> fx.Node:
     """The GEMMs' operand read from its row-major `copy` (for `side` 1, the copy of its transpose,
     read transposed back): through `as_strided`, which makes Inductor store the copy once, where a
     clone or permute would leave each GEMM reading it to make a copy of its own. Not for an
-    emulated GEMM, into whose kernels Inductor fuses the copy, nor for symbolic sizes."""
+    `emulated` GEMM, into whose kernels Inductor fuses the copy, nor for symbolic sizes."""
     rows, cols = copy.meta["val"].shape
-    if _runs_emulated(gemm) or not (isinstance(rows, int) and isinstance(cols, int)):
+    if emulated or not (isinstance(rows, int) and isinstance(cols, int)):
         return copy if side == 0 else add_node(gm.graph, fake_mode, aten.permute.default, (copy, [1, 0]), tag_from=gemm)
     layout = ([rows, cols], [cols, 1]) if side == 0 else ([cols, rows], [1, cols])
     return add_node(gm.graph, fake_mode, aten.as_strided.default, (copy, *layout), tag_from=gemm)
@@ -317,16 +319,6 @@ def _view_chain(operand: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     return base, chain
 
 
-def _views_of(operand: fx.Node) -> tuple:
-    """What `operand` reads, comparable across nodes: its base tensor and the views taken of it."""
-
-    def frozen(x):
-        return tuple(frozen(y) for y in x) if isinstance(x, (list, tuple)) else x
-
-    base, chain = _view_chain(operand)
-    return base, tuple((n.target, frozen(n.args[1:]), frozen(sorted(n.kwargs.items()))) for n in chain)
-
-
 def _stored_view(gm: fx.GraphModule, fake_mode, operand: fx.Node, gemm: fx.Node) -> fx.Node:
     """`operand`, read from its FP8 tensor in memory where that tensor is stored anyway: the
     tensor a chain of views of `operand` starts from, when something besides that chain reads it
@@ -336,11 +328,7 @@ def _stored_view(gm: fx.GraphModule, fake_mode, operand: fx.Node, gemm: fx.Node)
     Inductor store it before the copy reads it, whatever order the GEMMs come in; the views are
     replayed on it (a `reshape` among them may copy). Not where that tensor is itself a layout copy
     of the cast (a head-major attention gradient made token-major): Inductor computes both layouts
-    in one kernel there, from the cast's inputs, which reading the copy back would split in two.
-    Not for an emulated GEMM either, whose ATen ops Inductor fuses with the cast: nothing stores
-    its FP8 tensor there."""
-    if _runs_emulated(gemm):
-        return operand
+    in one kernel there, from the cast's inputs, which reading the copy back would split in two."""
     base, chain = _view_chain(operand)
     val = base.meta["val"]
     layout = (list(val.shape), list(val.stride()), val.storage_offset())

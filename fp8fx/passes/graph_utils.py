@@ -125,6 +125,12 @@ def strip_layout(node: fx.Node, dtype_casts: bool = True) -> tuple[fx.Node, list
     return node, chain[::-1]
 
 
+def views_key(root: fx.Node, chain: list[fx.Node]) -> tuple:
+    """`root` and the views `chain` takes of it, comparable across nodes: operands with equal keys
+    are one tensor read alike."""
+    return root, tuple((v.target, repr(v.args[1:]), repr(v.kwargs)) for v in chain)
+
+
 def op_args(node: fx.Node) -> dict[str, Any]:
     """A call's arguments by their names in the operator's schema, positional and keyword alike."""
     named = {arg.name: value for arg, value in zip(node.target._schema.arguments, node.args)}

@@ -32,7 +32,16 @@ from fp8fx.core.grouped import OperandScales
 from fp8fx.core.recipes import AmaxComputeAlgo, Precision, ScaleRounding
 from fp8fx.passes.annotation import META_KEY, DelayedSpec, Fusion, ReasonKind, annotate, annotation, node_annotations, state_key
 from fp8fx.passes.find_matmuls import fused_backward, group_offsets, matmul_operands, parameter_derived
-from fp8fx.passes.graph_utils import PassContext, PassResult, add_node, fake_mode_of, node_values, op_args, strip_layout
+from fp8fx.passes.graph_utils import (
+    PassContext,
+    PassResult,
+    add_node,
+    fake_mode_of,
+    node_values,
+    op_args,
+    strip_layout,
+    views_key,
+)
 from fp8fx.runtime.monitor import Monitor
 from fp8fx.runtime.shadow import ShadowChecks
 
@@ -192,7 +201,7 @@ class _Inserter:
             return self.replay(q.fp8, chain, gemm), q
         # Per-row / per-block scales follow the GEMM's layout: cast the operand as the GEMM sees
         # it, rebuilt from the root (so a weight's dtype cast, autocast's bf16 copy, is skipped).
-        key = (root, tuple((v.target, repr(v.args[1:]), repr(v.kwargs)) for v in chain))
+        key = views_key(root, chain)
         if key not in self.views:  # e.g. q, k and v projections share one cast of their input
             self.views[key] = self.replay(root, chain, gemm)
         if spec.hadamard_dim is not None and (key, spec.hadamard_dim) not in self.views:  # NVFP4's transform, along K

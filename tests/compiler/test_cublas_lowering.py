@@ -115,4 +115,3 @@ def test_a_cublas_training_step_calls_scaled_mm_from_inductor_code(recipe):
         # whose cast computed in that view's order was written head-major and then copied for its GEMM
         forward = re.findall(r"empty_strided_cpu\(\(([\d, ]+)\), \([\d, ]+\), torch\.float8_e4m3fn\)", code.split("AOT ID")[1])
         assert forward and not [shape for shape in forward if shape.startswith(f"{ids.numel()}, ")]
-
