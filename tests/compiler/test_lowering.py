@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import fp8fx_calls, one_layer_llama
+from helpers import CUBLAS_ROWWISE, fp8fx_calls, one_layer_llama
 from torch._inductor.utils import run_and_get_code
 
 import fp8fx
@@ -95,7 +95,7 @@ def lowered_step_graphs(monkeypatch, recipe: str, dtype: torch.dtype = torch.flo
     return graphs
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", CUBLAS_ROWWISE])
 def test_casts_in_a_bf16_step_read_the_bf16_tensors(recipe, monkeypatch):
     """On the graph a GPU runs (its GEMMs cuBLAS's `aten._scaled_mm`, which torch's CPU build runs):
     the product that scales a cast's input reads the BF16 tensor the model computed. An explicit

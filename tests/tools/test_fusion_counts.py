@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import CUBLAS_ROWWISE
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 
@@ -26,7 +27,7 @@ def tiny_cublas_args(monkeypatch):
 
 
 # Tensorwise counted from Inductor's Triton scheduler (as a GPU's kernels), rowwise from its C++ one.
-@pytest.mark.parametrize("recipe, scheduler", [("tensorwise", "triton"), ("rowwise", "cpp")])
+@pytest.mark.parametrize("recipe, scheduler", [("tensorwise", "triton"), pytest.param("rowwise", "cpp", marks=CUBLAS_ROWWISE.marks)])
 def test_fp8fx_adds_fewer_passes_than_torchao(recipe, scheduler, tiny_cublas_args):
     pytest.importorskip("torchao")
     import fusion_counts
