@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 
@@ -11,6 +10,7 @@ import torch
 from torch import fx, nn
 
 import fp8fx
+from fp8fx.codegen import versions
 from fp8fx.core.policy import PolicyError
 from fp8fx.core.policy_yaml import policy_from_yaml
 
@@ -23,23 +23,11 @@ SCALED_MM = torch.ops.fp8fx.scaled_mm.default
 FP8_GEMM = torch.ops.fp8fx.fp8_gemm.default  # an FP8 GEMM with its fused epilogue
 
 
-@functools.cache
-def cpu_scaled_mm_takes_rowwise() -> bool:
-    """Whether torch's CPU `torch._scaled_mm` runs rowwise scales (2.13's does; 2.11's asserts
-    per-tensor scales), which the tests running a GPU's cuBLAS graph on the CPU need for rowwise."""
-    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
-    try:
-        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
-    except RuntimeError:
-        return False
-    return True
-
-
 # A rowwise case of a GPU's cuBLAS graph run on torch's CPU `_scaled_mm`.
 CUBLAS_ROWWISE = pytest.param(
     "rowwise",
     marks=pytest.mark.skipif(
-        not cpu_scaled_mm_takes_rowwise(), reason=f"torch {torch.__version__}'s CPU _scaled_mm takes per-tensor scales only"
+        not versions.cpu_rowwise_scaled_mm(), reason=f"torch {torch.__version__}'s CPU _scaled_mm takes per-tensor scales only"
     ),
 )
 

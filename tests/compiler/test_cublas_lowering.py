@@ -9,10 +9,11 @@ import re
 
 import pytest
 import torch
-from helpers import CUBLAS_ROWWISE, cpu_scaled_mm_takes_rowwise, fp8fx_calls, one_layer_llama, sqnr
+from helpers import CUBLAS_ROWWISE, fp8fx_calls, one_layer_llama, sqnr
 from torch._inductor.utils import run_and_get_code
 
 import fp8fx
+from fp8fx.codegen import versions
 from fp8fx.compiler import lowering
 from fp8fx.ops import cuda, reference
 
@@ -28,7 +29,7 @@ def cublas_on_cpu(monkeypatch):
 
 def _case(rng: random.Random, g: torch.Generator):
     m, n, k = (16 * rng.randint(1, 6) for _ in range(3))
-    recipe = rng.choice(["tensorwise", "rowwise"] if cpu_scaled_mm_takes_rowwise() else ["tensorwise"])
+    recipe = rng.choice(["tensorwise", "rowwise"] if versions.cpu_rowwise_scaled_mm() else ["tensorwise"])
     a_dtype, b_dtype = rng.choice([(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3)])
     block_a, block_b = ([], []) if recipe == "tensorwise" else rng.choice([([1, 0], [0, 1]), ([], [0, 1]), ([1, 0], [])])
     epilogue = rng.choice(EPILOGUES)
