@@ -62,6 +62,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import fp8fx
+from fp8fx.codegen import dispatch
 from fp8fx.codegen.variants import arch_of
 from fp8fx.core.recipes import RECIPES
 
@@ -140,7 +141,15 @@ def environment(device: str) -> dict:
             env["target"] = arch_of(cap, hip=torch.version.hip is not None)
         except RuntimeError:  # no FP8 tensor cores (or ROCm)
             env["target"] = "none"
+        env["dispatch_table"] = dispatch_table_of(env["gpu"])
     return env
+
+
+def dispatch_table_of(gpu: str) -> dict | None:
+    """This GPU model's table of `fp8fx selftest` measurements, which kernels="auto" follows: its
+    path and number of GEMMs (None: no table, every GEMM takes the unmeasured rule)."""
+    path = dispatch.table_path(gpu)
+    return dict(path=str(path), gemms=len(dispatch.load_table(path))) if path.exists() else None
 
 
 # --- the child: one variant's training run ---------------------------------------------------------

@@ -489,9 +489,9 @@ def _selftest_lines(result) -> list[str]:
             lines.append(f"  FAILED {c['kind']} {what}{shape}: {_why_failed(c)}")
     speed = data.get("speed")
     if speed:
-        for role, s in speed["summary"].items():
+        for s in speed["summary"]:
             t = s["median_tflops"]
-            lines.append(f"{role} FP8 GEMM ({s['variant']}), median TFLOP/s over {s['shapes']} shapes: generated {t['generated']}, "
+            lines.append(f"{s['role']} FP8 GEMM ({s['variant']}), median TFLOP/s over {s['shapes']} shapes: generated {t['generated']}, "
                          f"torch._scaled_mm {t['scaled_mm']}, BF16 torch.mm {t['bf16']}; generated faster on {s['generated_faster']}/{s['compared']}")  # fmt: skip
         b = speed["block"]
         lines.append(f"block training step (ms): fp8fx {b['fp8fx_auto_ms']}, fp8fx kernels='scaled_mm' {b['fp8fx_scaled_mm_ms']}, BF16 torch.compile {b['bf16_ms']}")

@@ -6,8 +6,9 @@ On an NVIDIA GPU with FP8 tensor cores:
    `torch._scaled_mm` + the epilogue as torch ops, and is compared with the exact CPU reference;
    a training step compiled with fp8fx (`kernels="auto"` and `"triton"`) must match the same step
    with `kernels="scaled_mm"`;
-2. a plain and a fused-epilogue variant are timed against `torch._scaled_mm` and BF16 `torch.mm`
-   on the GEMM shapes of bench/gemm_gpu.py, and a transformer block's training step is timed;
+2. the step's GEMMs without epilogue that `torch._scaled_mm` runs too, and a fused-epilogue
+   variant, are timed against `torch._scaled_mm` and BF16 `torch.mm` on the GEMM shapes of
+   bench/gemm_gpu.py, and a transformer block's training step is timed;
 3. the timings become the dispatch table `kernels="auto"` reads (`fp8fx.codegen.dispatch`).
 
 Without one: the same variant collection, offline builds for sm_89 / sm_90a / sm_100a, and a few
@@ -244,8 +245,13 @@ def heaviest_per_recipe(uses: list[VariantUse], recipes=RECIPES) -> list[Variant
 
 
 def speed_uses(uses: list[VariantUse]) -> list[tuple[str, VariantUse]]:
-    """("plain", use) and ("fused", use): the forward tensorwise GEMM without epilogue, and the
-    tensorwise variant with the most fused epilogue, as the training step generates them."""
+    """The GEMMs timed, as (role, use): "plain", the forward tensorwise GEMM without epilogue;
+    "fused", the tensorwise variant with the most fused epilogue; "bare", every other GEMM of the
+    step without its epilogue (as Inductor leaves them) that `torch._scaled_mm` runs too. Each GEMM
+    of those variants then runs on the kernel measured faster (`fp8fx.codegen.dispatch`), rowwise
+    and the backward's variants included."""
+    from fp8fx.codegen.dispatch import bare_variant, scaled_mm_supports
+
     tensorwise = [u for u in uses if "tensorwise" in u.recipes and not u.variant.block_a and not u.variant.block_b]
     plain = [u for u in tensorwise if _weight(u)[0] == 0]
     fused = [u for u in tensorwise if _weight(u)[0] > 0]
@@ -254,6 +260,14 @@ def speed_uses(uses: list[VariantUse]) -> list[tuple[str, VariantUse]]:
         chosen.append(("plain", min(plain, key=lambda u: (u.variant.a_dtype != torch.float8_e4m3fn, u.variant.out_dtype != torch.bfloat16, u.name))))
     if fused:
         chosen.append(("fused", max(fused, key=_weight)))
+    recipes: dict[GemmVariant, list[str]] = {}
+    for u in uses:
+        bare = bare_variant(u.variant)
+        if not scaled_mm_supports(bare):
+            mine = recipes.setdefault(bare, [])
+            mine += [r for r in u.recipes if r not in mine]
+    taken = {u.variant for _, u in chosen}
+    chosen += [("bare", VariantUse(v, tuple(r))) for v, r in recipes.items() if v not in taken]
     return chosen
 
 
@@ -642,18 +656,18 @@ def _timed(make: Callable[[], Callable], bench: Callable, name: str, errors: dic
         return None
 
 
-def speed_summary(rows: list[dict]) -> dict:
-    """Per role (plain / fused): median TFLOP/s of each kernel over the shapes measured, and on how
-    many shapes the generated kernel beat torch._scaled_mm."""
-    summary = {}
-    for role in dict.fromkeys(r["role"] for r in rows):
-        mine = [r for r in rows if r["role"] == role]
+def speed_summary(rows: list[dict]) -> list[dict]:
+    """Per variant timed, in order: its role, the median TFLOP/s of each kernel over the shapes
+    measured, and on how many shapes the generated kernel beat torch._scaled_mm."""
+    summary = []
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        mine = [r for r in rows if r["variant"] == variant]
         med = {p: _median([r[f"{p}_tflops"] for r in mine]) for p in ("generated", "scaled_mm", "bf16")}
         both = [r for r in mine if r["generated_ms"] and r["scaled_mm_ms"]]
-        summary[role] = dict(
-            variant=mine[0]["variant"], shapes=len(mine), median_tflops=med,
+        summary.append(dict(
+            role=mine[0]["role"], variant=variant, shapes=len(mine), median_tflops=med,
             generated_faster=sum(r["generated_ms"] <= r["scaled_mm_ms"] for r in both), compared=len(both),
-        )  # fmt: skip
+        ))  # fmt: skip
     return summary
 
 

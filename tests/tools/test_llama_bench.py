@@ -54,3 +54,20 @@ def test_memory_at_peak_reads_the_allocators_trace():
     assert out["peak_bytes"] == 150  # 100 + 50, before the first free (later: 50 + 70 + 10 = 130)
     assert [(r["count"], r["bytes"]) for r in out["live"]] == [(1, 100), (1, 50)]
     assert out["live"][0]["where"].startswith("torchinductor_fake_code.py:1 call")
+
+
+def test_the_dispatch_table_the_steps_follow_is_recorded(tmp_path, monkeypatch):
+    """The CUDA branch records the GPU model's `fp8fx selftest` table (kernels="auto" follows it)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import llama_gpu
+
+    from fp8fx.codegen import dispatch
+    from fp8fx.tools import selftest
+
+    monkeypatch.setenv("FP8FX_CACHE_DIR", str(tmp_path))
+    gpu = dict(name="NVIDIA H100 80GB HBM3", capability="9.0", target="sm_90a")
+    assert llama_gpu.dispatch_table_of(gpu["name"]) is None
+    row = dict(variant="v", m=8, n=8, k=16, generated_ms=1.0, scaled_mm_ms=2.0, generated_tflops=1.0, scaled_mm_tflops=1.0, bf16_ms=3.0,
+               bf16_tflops=1.0, shape="s")  # fmt: skip
+    selftest.write_json(selftest.dispatch_table({}, gpu, [row, row]), dispatch.table_path(gpu["name"]))
+    assert llama_gpu.dispatch_table_of(gpu["name"]) == dict(path=str(tmp_path / "dispatch-NVIDIA-H100-80GB-HBM3.json"), gemms=2)

@@ -88,10 +88,20 @@ def test_variant_collection_and_planning(uses):
     assert all(p.variant.epilogue.activation == "gelu" and p.variant.epilogue.aux != "none" for p in picks)
     plan = selftest.build_plan(picks)
     assert [arch for _, arch in plan] == list(selftest.BUILD_ARCHS) and [u for u, _ in plan] == picks
-    (plain_role, plain), (fused_role, fused) = selftest.speed_uses(uses)
+    timed = selftest.speed_uses(uses)
+    (plain_role, plain), (fused_role, fused) = timed[:2]
     assert (plain_role, fused_role) == ("plain", "fused")
     assert plain.variant.epilogue.spec() == "" and plain.variant.a_dtype == torch.float8_e4m3fn and not plain.variant.block_a
     assert fused.variant.epilogue.ops() >= 2 and not fused.variant.block_a
+    # Every GEMM of the step as Inductor leaves it (without epilogue) that cuBLAS runs too is timed
+    # once, so kernels="auto" can choose each from a measurement: forward and backward, every recipe.
+    names = [u.name for _, u in timed]
+    assert len(names) == len(set(names)) and {role for role, _ in timed[2:]} == {"bare"}
+    assert all(u.variant.epilogue == dispatch.PLAIN for _, u in timed[2:])
+    bare = {dispatch.bare_variant(u.variant) for u in uses}
+    assert {u.variant for _, u in timed} - {fused.variant} == {v for v in bare if not dispatch.scaled_mm_supports(v)}
+    assert {r for _, u in timed[2:] for r in u.recipes} == set(selftest.RECIPES)
+    assert any(u.variant.a_dtype == torch.float8_e5m2 for _, u in timed[2:])  # the backward's E5M2 gradients
     for u in uses:  # what the interpreter process is sent comes back equal
         assert selftest.use_from_dict(json.loads(json.dumps(selftest.use_to_dict(u)))) == u
 
@@ -118,6 +128,16 @@ def test_gemm_checks_run_the_scaled_mm_path_on_cpu(uses, recipe):
             (check,) = selftest.check_gemm(use, m, n, k, ("scaled_mm",), "cpu", where="test")
             assert check["passed"] and check["path"] == "scaled_mm", check
             assert check["out"]["sqnr_db"] >= selftest.GEMM_SQNR_DB or check["out"]["within_ulps"]
+
+
+def test_the_gemms_timed_on_a_gpu_run_in_the_interpreter(uses, tmp_path):
+    """Every GEMM the GPU branch times (the dispatch table's entries), through the generated kernel
+    with the selftest's own inputs, against the exact emulation: in the interpreter's process."""
+    timed = [u for _, u in selftest.speed_uses(uses)]
+    proc = selftest.start_interpreter(selftest.interpreter_job(timed, shapes=((37, 48, 144),), step_recipe=None), tmp_path)
+    checks = selftest.finish_interpreter(proc, tmp_path)
+    assert [c.get("variant") for c in checks] == [u.name for u in timed], checks
+    assert all(c["passed"] and c["path"] == "generated" for c in checks), checks
 
 
 def test_a_generated_kernel_failure_is_a_failed_check(uses):
@@ -154,12 +174,13 @@ def test_timing_loops_with_a_fake_clock(uses):
 
     chosen = selftest.speed_uses(uses)
     rows = selftest.time_gemms(chosen, [("tiny", 7, 64, 256)], "cpu", bench=fake_bench)
-    assert [r["role"] for r in rows] == ["plain", "fused"]
-    for r in rows:
+    assert [(r["role"], r["variant"]) for r in rows] == [(role, u.name) for role, u in chosen]
+    for r in rows[:2]:
         assert r["generated_ms"] is None and "TRITON_INTERPRET" in r["errors"]["generated"]  # CPU, no interpreter
         assert r["scaled_mm_ms"] == r["bf16_ms"] == 2.0 and r["scaled_mm_tflops"] == round(2 * 7 * 64 * 256 / 2e-3 / 1e12, 1)
     summary = selftest.speed_summary(rows)
-    assert summary["plain"]["compared"] == 0 and summary["fused"]["median_tflops"]["generated"] is None
+    assert [(s["role"], s["variant"]) for s in summary] == [(role, u.name) for role, u in chosen]
+    assert summary[0]["compared"] == 0 and summary[1]["median_tflops"]["generated"] is None
 
     dims = selftest.ModelDims(32, 2, 64, 1, 9)
     block = selftest.time_block(dims, "cpu", bench=fake_bench, inner="eager", baseline_backend="eager")
@@ -170,7 +191,7 @@ def test_timing_loops_with_a_fake_clock(uses):
 
 def test_dispatch_table_round_trips_and_decides(uses, tmp_path, monkeypatch):
     monkeypatch.setenv("FP8FX_CACHE_DIR", str(tmp_path / "cache"))
-    (_, plain), (_, fused) = selftest.speed_uses(uses)
+    (_, plain), (_, fused) = selftest.speed_uses(uses)[:2]
 
     def row(use, m, generated, scaled):
         return dict(variant=use.name, role="x", shape=f"square {m}", m=m, n=m, k=m, generated_ms=generated, scaled_mm_ms=scaled,
@@ -199,7 +220,7 @@ def test_dispatch_table_round_trips_and_decides(uses, tmp_path, monkeypatch):
 def test_fused_epilogue_against_cublas_bare_gemm(uses, monkeypatch):
     """Under Inductor the generated kernel keeps an epilogue only where it measured faster than
     cuBLAS's bare GEMM (the variant without epilogue): fused and bare at their nearest shapes."""
-    (_, plain), (_, fused) = selftest.speed_uses(uses)
+    (_, plain), (_, fused) = selftest.speed_uses(uses)[:2]
     bare = dispatch.bare_variant(fused.variant)
     assert bare.epilogue == dispatch.PLAIN and bare.out_dtype.itemsize > 1 and dispatch.bare_variant(bare) == bare
 
@@ -296,7 +317,7 @@ def test_gpu_branch_runs_on_cpu_tensors(uses):
     tiny = selftest.ModelDims(32, 2, 64, 1, 9)
     plan = selftest.GpuPlan(check_shapes=((7, 64, 256),), recipes=("tensorwise",), step_kernels=("scaled_mm",), step_dims=tiny,
                             timing_shapes=(("tiny", 7, 64, 256),), block_dims=tiny, inner="eager", baseline="eager")  # fmt: skip
-    mine = [u for _, u in selftest.speed_uses(uses)] + by_recipe(uses, "blockwise")[:1]  # plain, fused, blockwise
+    mine = [u for _, u in selftest.speed_uses(uses)[:2]] + by_recipe(uses, "blockwise")[:1]  # plain, fused, blockwise
     seen = []
     checks, speed = selftest.gpu_checks(mine, plan, "cpu", bench=lambda fn, **kw: (fn(), 1.5)[1], progress=lambda *a: seen.append(a[0]))
     gemms = [c for c in checks if c["kind"] == "gemm"]
@@ -305,7 +326,7 @@ def test_gpu_branch_runs_on_cpu_tensors(uses):
         assert c["passed"] == (c["path"] == "scaled_mm" and c["variant"] != mine[-1].name), c
     (step,) = [c for c in checks if c["kind"] == "step"]
     assert step["passed"] and step["max_shortfall_db"] == 0  # scaled_mm against itself: identical
-    assert [r["role"] for r in speed["gemms"]] == ["plain", "fused"] and speed["block"]["bf16_ms"] == 1.5
+    assert [r["role"] for r in speed["gemms"]] == ["plain", "fused", "bare"] and speed["block"]["bf16_ms"] == 1.5  # bare: blockwise's GEMM
     assert set(seen) == {"GEMMs against the CPU reference", "training steps against kernels=scaled_mm", "timing GEMMs", "timing a transformer block"}
 
 
