@@ -28,7 +28,14 @@ from fp8fx.codegen.dispatch import triton_available
 from fp8fx.codegen.variants import device_target
 from fp8fx.compiler import cache
 from fp8fx.compiler.kernel_passes import KernelPasses, counting
-from fp8fx.compiler.lowering import lay_out_operands, lower_casts, lower_elementwise, operand_numels
+from fp8fx.compiler.lowering import (
+    drop_partition_copies,
+    lay_out_operands,
+    let_backward_cast_again,
+    lower_casts,
+    lower_elementwise,
+    operand_numels,
+)
 from fp8fx.compiler.state import Fp8State, StateInstance, instance_keys, locate
 from fp8fx.core.patterns import BY_TARGET, OPAQUE
 from fp8fx.core.policy import Policy
@@ -491,6 +498,7 @@ def _inductor_compile_graph(gm: fx.GraphModule, example_inputs, *, kept_whole: d
     memory passes of the kernels it makes of them are counted into `passes`."""
     from torch._inductor.compile_fx import compile_fx_inner
 
+    drop_partition_copies(gm)
     if kwargs.get("is_backward"):
         recompute_at_first_use(gm)
     numels = operand_numels(gm)
@@ -512,6 +520,7 @@ class _InductorJointPass(CustomGraphPass):
         self.rewrite(graph.owning_module)
         decompose_nodes(graph, self.decompositions)
         lower_casts(graph, self.decompositions)
+        let_backward_cast_again(graph)
 
     def uuid(self) -> str | None:
         # With a key, a cached compile skips the pass; the backend then reads its records back.

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from fp8fx.codegen.dispatch import interpreter_active, scaled_mm_kind
 from fp8fx.core import scaling
@@ -248,6 +249,61 @@ def lower_casts(graph: fx.Graph, kept_whole: dict) -> int:
     return decompose_nodes(graph, LOWERED_BEFORE_PARTITION, also=kept_whole, meta=meta)
 
 
+PARTITION_COPY = "fp8fx_partition_copy"  # meta of the copies `let_backward_cast_again` adds
+
+
+def let_backward_cast_again(graph: fx.Graph) -> int:
+    """In a joint graph, make each backward GEMM operand read from an activation's FP8 tensor (one
+    a forward cast wrote) go through a transposed copy of it, one per tensor, which min-cut must
+    recompute; returns how many. Min-cut never recomputes a value that backward reads with an op it
+    cannot fuse (the GEMM), so it saved each such FP8 tensor (1 byte a value) even where backward
+    keeps what it was cast from anyway (a gated MLP's product, from the gate and up outputs SiLU's
+    backward keeps) and could cast it again for nothing, as torchao's casts are. Read through a copy,
+    which it can fuse, the tensor is weighed like any other: saved, or cast again from what is kept.
+    (A copy, not a clone: Inductor removes a clone that changes no layout before partitioning.)
+    `drop_partition_copies` takes the copies out of the partitioned graphs."""
+    fake_mode = fake_mode_of(graph)
+    copies: dict[tuple, fx.Node] = {}
+    for gemm in fp8_gemm_nodes(graph):
+        ann = annotation(gemm)
+        if ann is None or ann.role == "output" or not ann.fp8:
+            continue
+        for side, role in enumerate(ann.decision.operand_roles):
+            operand = gemm.args[side]
+            base, _ = _view_chain(operand)
+            val = operand.meta["val"]
+            if role != "input" or base.op != "call_function" or val.dtype not in FP8_DTYPES or val.dim() != 2 or val.t().is_contiguous():
+                continue
+            key = views_key(*_view_chain(operand))
+            if key not in copies:
+                with graph.inserting_before(gemm):
+                    t = add_node(graph, fake_mode, aten.permute.default, (operand, [1, 0]), tag_from=gemm)
+                    copy = add_node(graph, fake_mode, aten.clone.default, (t,), {"memory_format": torch.contiguous_format}, tag_from=gemm)
+                    copies[key] = add_node(graph, fake_mode, aten.permute.default, (copy, [1, 0]), tag_from=gemm)
+                copy.meta.update({PARTITION_COPY: True, "recompute": CheckpointPolicy.MUST_RECOMPUTE})
+            gemm.update_arg(side, copies[key])
+    return len(copies)
+
+
+def drop_partition_copies(gm: fx.GraphModule) -> None:
+    """Make the GEMMs read the tensors `let_backward_cast_again`'s copies copy (saved by forward, or
+    cast again in backward) as they did before; `lay_out_operands` then lays them out."""
+    fake_mode = fake_mode_of(gm.graph)
+    for copy in [n for n in gm.graph.nodes if n.meta.get(PARTITION_COPY)]:
+        transposed = copy.args[0]  # permute(operand), or forward's value of it (a view min-cut saved)
+        for read in list(copy.users):  # permute(copy): the operand, K-major
+            if transposed.op == "call_function":
+                operand = transposed.args[0]
+            else:
+                with gm.graph.inserting_before(read):
+                    operand = add_node(gm.graph, fake_mode, aten.permute.default, (transposed, [1, 0]), tag_from=read)
+            read.replace_all_uses_with(operand)
+            gm.graph.erase_node(read)
+        gm.graph.erase_node(copy)
+        if transposed.op == "call_function" and not transposed.users:
+            gm.graph.erase_node(transposed)
+
+
 def operand_numels(gm: fx.GraphModule) -> list[int]:
     """Elements of each tensor the graph casts to FP8 (static shapes only): an fp8fx cast's input,
     or the FP8 value a cast lowered before partitioning wrote."""
@@ -272,28 +328,33 @@ def lay_out_operands(gm: fx.GraphModule) -> set[tuple[str, str]]:
     fake_mode = fake_mode_of(gm.graph)
     laid: dict[tuple, fx.Node] = {}
     gemms = set()
+    to_lay = []
     for gemm in [n for n in fp8_gemm_nodes(gm.graph) if n.target is not fp8fx_ops.fp8_grouped_mm.default and annotation(n) is not None]:
         ann = annotation(gemm)
         if all(x.meta["val"].dim() == 2 for x in gemm.args[:2]):
             gemms.add((ann.site, ann.role))
-        emulated = _runs_emulated(gemm)
         for side in (0, 1):
-            operand = gemm.args[side]
-            val = operand.meta["val"]
-            if val.dim() != 2 or k_contiguous(val, side):
-                continue
-            key = (*views_key(*_view_chain(operand)), side)  # GEMMs reading one tensor alike (q, k, v's weight gradients) share its copy
-            if key not in laid:
-                with gm.graph.inserting_before(gemm):
-                    # An emulated GEMM's ATen ops fuse with the cast and the copy: nothing stores them.
-                    source = operand if emulated else _stored_view(gm, fake_mode, operand, gemm)
-                    t = source if side == 0 else add_node(gm.graph, fake_mode, aten.permute.default, (source, [1, 0]), tag_from=gemm)
-                    copy = add_node(gm.graph, fake_mode, aten.clone.default, (t,), {"memory_format": torch.contiguous_format}, tag_from=gemm)
-                    laid[key] = _copy_read(gm, fake_mode, copy, side, gemm, emulated)
-                copy.meta[CHARGED_TO] = (ann.site, ann.role)
-            args = list(gemm.args)
-            args[side] = laid[key]
-            gemm.args = tuple(args)
+            val = gemm.args[side].meta["val"]
+            if val.dim() == 2 and not k_contiguous(val, side):
+                # GEMMs reading one tensor alike (q, k, v's weight gradients) share its copy
+                to_lay.append((gemm, side, (*views_key(*_view_chain(gemm.args[side])), side)))
+    sharing: dict[tuple, set[fx.Node]] = {}  # per copy, its GEMMs and the views they read it through
+    for gemm, side, key in to_lay:
+        sharing.setdefault(key, set()).update((gemm, *_view_chain(gemm.args[side])[1]))
+    for gemm, side, key in to_lay:
+        ann, operand = annotation(gemm), gemm.args[side]
+        emulated = _runs_emulated(gemm)
+        if key not in laid:
+            with gm.graph.inserting_before(gemm):
+                # An emulated GEMM's ATen ops fuse with the cast and the copy: nothing stores them.
+                source = operand if emulated else _stored_view(gm, fake_mode, operand, gemm, sharing[key])
+                t = source if side == 0 else add_node(gm.graph, fake_mode, aten.permute.default, (source, [1, 0]), tag_from=gemm)
+                copy = add_node(gm.graph, fake_mode, aten.clone.default, (t,), {"memory_format": torch.contiguous_format}, tag_from=gemm)
+                laid[key] = _copy_read(gm, fake_mode, copy, side, gemm, emulated)
+            copy.meta[CHARGED_TO] = (ann.site, ann.role)
+        args = list(gemm.args)
+        args[side] = laid[key]
+        gemm.args = tuple(args)
     gm.recompile()
     return gemms
 
@@ -319,10 +380,11 @@ def _view_chain(operand: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     return base, chain
 
 
-def _stored_view(gm: fx.GraphModule, fake_mode, operand: fx.Node, gemm: fx.Node) -> fx.Node:
+def _stored_view(gm: fx.GraphModule, fake_mode, operand: fx.Node, gemm: fx.Node, sharing: set[fx.Node]) -> fx.Node:
     """`operand`, read from its FP8 tensor in memory where that tensor is stored anyway: the
     tensor a chain of views of `operand` starts from, when something besides that chain reads it
-    (the other GEMM of a gradient cast once for both). Inductor would otherwise compute the copy
+    (the other GEMM of a gradient cast once for both), not only the GEMMs `sharing` the copy (and
+    the views they read it through). Inductor would otherwise compute the copy
     from the cast's own inputs, reading the BF16 tensor again (2 bytes a value, and the scale
     arithmetic) where the stored FP8 tensor is 1. An `as_strided` of the tensor onto itself makes
     Inductor store it before the copy reads it, whatever order the GEMMs come in; the views are
@@ -332,7 +394,7 @@ def _stored_view(gm: fx.GraphModule, fake_mode, operand: fx.Node, gemm: fx.Node)
     base, chain = _view_chain(operand)
     val = base.meta["val"]
     layout = (list(val.shape), list(val.stride()), val.storage_offset())
-    others = [u for n in (*chain, base) for u in n.users if u not in chain and u is not gemm]
+    others = [u for n in (*chain, base) for u in n.users if u not in sharing]
     static = all(isinstance(d, int) for d in (*layout[0], *layout[1], layout[2]))  # (a symbolic size would need its graph node)
     copy = base.target in (aten.clone.default, aten.contiguous.default)
     if base.op != "call_function" or copy or val.dtype not in FP8_DTYPES or not others or not static:

@@ -205,6 +205,12 @@ class _Fuser:
                 self.why = f"{steps[-1][1].name} ({steps[-1][1].target}) left to its consumer: it only widens a value kept for other users"
                 return None
             ep = replace(ep, aux=stage_of[aux_node])
+        if self.inductor and final.meta["val"].dtype.itemsize > gemm.meta["val"].dtype.itemsize:
+            # Inductor widens the result as its consumer's kernel reads it, so a GEMM writing the
+            # wide copy saves no pass, skips the model's rounding, and what backward keeps of it is
+            # kept wide (the lm_head's logits widened for the loss: saved in fp32, twice BF16's bytes).
+            self.why = f"{final.name} ({final.target}) left to its consumer: it widens the result, which Inductor does as it reads it"
+            return None
         amax_users = [u for u in final.users if u.target == fp8fx_ops.amax.default and list(u.args[1]) == []]
         if amax_users:
             ep = replace(ep, out_amax=True)

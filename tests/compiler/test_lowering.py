@@ -133,6 +133,22 @@ def test_casts_in_a_bf16_step_read_the_bf16_tensors(recipe, monkeypatch):
     assert sorted(readers.values(), reverse=True)[:2] == [3, 2]
 
 
+def test_a_bf16_step_saves_no_fp8_copy_of_what_backward_keeps_anyway(monkeypatch):
+    """Tensorwise, the weight gradient reads the FP8 input forward cast. Min-cut never recomputes a
+    value that backward reads with an op it cannot fuse (the GEMM), so it saved the down
+    projection's FP8 input (1 byte a value) although backward keeps the gate and up outputs it is
+    cast from (SiLU's backward reads them), where torchao casts again. Read through a copy it can
+    fuse (`let_backward_cast_again`), it is cast again. Backward keeps no FP8 tensor: the weights
+    are cast again too (weight_fp8="auto"), and the lm_head's BF16 logits are kept, not an fp32
+    copy (the widening cast for the loss stays out of the GEMM)."""
+    monkeypatch.setattr(lowering, "CUBLAS_DEVICES", ("cpu", "cuda"))
+    graphs = lowered_step_graphs(monkeypatch, "tensorwise", torch.bfloat16)
+    (backward,) = [gm for gm in graphs if any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)]
+    saved = [n.meta["val"] for n in backward.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
+    assert not [t for t in saved if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
+    assert not [t for t in saved if t.dtype == torch.float32 and t.numel() >= 2 * 16 * 512], [t.shape for t in saved if t.dtype == torch.float32]
+
+
 def _view_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
     """`node` and the views it is made from, down to the first `as_strided` or node that is not a view."""
     chain = [node]

@@ -272,6 +272,25 @@ def test_a_widening_cast_after_a_kept_value_is_left_to_the_consumer(n_out):
     assert torch.isfinite(h.grad).all() and torch.isfinite(proj.weight.grad).all()
 
 
+def test_under_inductor_a_widening_cast_is_left_to_the_consumer():
+    """An lm_head whose logits only the loss reads, widened to fp32: under Inductor the loss's
+    kernel widens them as it reads them, so a GEMM writing fp32 would save no pass, skip the
+    model's rounding to BF16, and leave backward keeping the fp32 logits (twice BF16's bytes)."""
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(64, 96, bias=False).to(torch.bfloat16)
+
+    def loss_of(h, y):
+        return torch.nn.functional.cross_entropy(proj(h).float().flatten(0, 1), y.flatten())
+
+    backend = fp8fx.backend(inner="inductor")
+    h = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, 96, (2, 16))
+    torch.compile(loss_of, backend=backend)(h, y).backward()
+    (op,) = [op for op in fp8fx.report(backend).ops if op.role == "output"]
+    assert "widens the result" in op.fusion and "_plain_bf16" in op.kernel, (op.fusion, op.kernel)
+    assert torch.isfinite(h.grad).all() and torch.isfinite(proj.weight.grad).all()
+
+
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
 def test_a_gated_mlp_writing_fp8_for_the_next_gemm_at_inference(inner):
     """Delayed scaling at inference: gate's GEMM absorbs SiLU, the product with up and the FP8 cast
