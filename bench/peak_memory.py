@@ -1,0 +1,139 @@
+"""Peak memory of a BF16 Llama training step as a GPU runs it, measured on the CPU: fp8fx per recipe
+against plain BF16 Inductor and torchao's float8 training, in one run.
+
+Run: python bench/peak_memory.py [--layers 2 --hidden 256 --intermediate 896 --vocab 2048 --seq 256 --batch 2]
+         [--variants bf16,fp8fx-tensorwise,fp8fx-rowwise,torchao-tensorwise,torchao-rowwise] [--top 12]
+
+Every variant is compiled with Inductor, its FP8 GEMMs as `aten._scaled_mm` (the graph a GPU's cuBLAS
+GEMMs make; torch's CPU build runs them), and one step (forward and backward of the loss) runs
+under PyTorch's memory profiler. The peak is the most the step's allocations held at once, above
+what was allocated before it (weights, and on a GPU the optimizer's state, which every variant holds
+alike). Allocations made and freed inside one `aten._scaled_mm` call are left out: torch's CPU kernel
+upcasts its operands to fp32 there, where cuBLAS allocates nothing. Prints each variant's peak, its
+ratio to BF16's, and the sizes alive at that moment (`--top`). The project's target: at most BF16's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+
+import torch
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+import fp8fx
+from fp8fx.compiler import lowering
+
+SCALED_MM = "aten::_scaled_mm"
+
+
+def llama(args) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.kv_heads, vocab_size=args.vocab, use_cache=False)  # fmt: skip
+    return LlamaForCausalLM(cfg).to(torch.bfloat16)
+
+
+class Loss(torch.nn.Module):
+    """The model's loss alone, as a training loop reads it (the logits are not kept)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, labels=ids).loss
+
+
+def compiled_step(variant: str, args) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the Llama, its loss compiled as `variant`: bf16, fp8fx-<recipe> or torchao-<recipe>)."""
+    model = llama(args)
+    kind, _, recipe = variant.partition("-")
+    if kind == "fp8fx":
+        return model, torch.compile(Loss(model), backend=fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor"))
+    if kind == "torchao":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear))
+    elif variant != "bf16":
+        raise SystemExit(f"unknown variant {variant!r}: bf16, fp8fx-<recipe> or torchao-<recipe>")
+    return model, torch.compile(Loss(model))
+
+
+def allocations(step) -> list[tuple[int, int, int, tuple[str, ...]]]:
+    """(time, address, bytes: negative when freed, the ops it was made under) of each allocator
+    event while `step()` runs, in time order."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = []
+
+    def walk(nodes, ops: tuple[str, ...]) -> None:
+        for e in nodes:
+            if e.tag == _EventType.Allocation:
+                events.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size, ops))
+            walk(e.children, (*ops, e.name))
+
+    walk(prof.profiler.kineto_results.experimental_event_tree(), ())
+    return sorted(events, key=lambda e: e[0])
+
+
+def peak(events) -> tuple[int, collections.Counter]:
+    """The most bytes the events held at once, and the sizes alive then (bytes: count). An
+    allocation made and freed under the same `aten::_scaled_mm` call is not counted."""
+    inside: set[int] = set()
+    opened: dict[int, int] = {}
+    for i, (_, ptr, size, ops) in enumerate(events):
+        if size > 0:
+            opened[ptr] = i
+        elif ptr in opened:
+            j = opened.pop(ptr)
+            if SCALED_MM in ops and SCALED_MM in events[j][3]:
+                inside.update((i, j))
+    live: dict[int, int] = {}
+    held = top = 0
+    at_top: collections.Counter = collections.Counter()
+    for i, (_, ptr, size, _) in enumerate(events):
+        if i in inside:
+            continue
+        if size > 0:
+            live[ptr] = size
+            held += size
+        elif ptr in live:
+            held -= live.pop(ptr)
+        if held > top:
+            top, at_top = held, collections.Counter(live.values())
+    return top, at_top
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in (("layers", 2), ("hidden", 256), ("intermediate", 896), ("heads", 4), ("kv-heads", 2), ("vocab", 2048),
+                          ("seq", 256), ("batch", 2), ("top", 12)):  # fmt: skip
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--variants", default="bf16,fp8fx-tensorwise,fp8fx-rowwise,torchao-tensorwise,torchao-rowwise")
+    args = ap.parse_args()
+    lowering.CUBLAS_DEVICES = (*lowering.CUBLAS_DEVICES, "cpu")  # the GEMMs a GPU gives cuBLAS, as `aten._scaled_mm`
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    print(f"Llama {args.layers} layer(s), hidden {args.hidden}, MLP {args.intermediate}, vocab {args.vocab}, {args.batch} x {args.seq} tokens, "
+          "bf16, Inductor, FP8 GEMMs as aten._scaled_mm")  # fmt: skip
+    peaks = {}
+    for variant in args.variants.split(","):
+        model, step = compiled_step(variant, args)
+        for _ in range(2):  # compile, then a step with the allocator warm
+            step(ids).backward()
+        model.zero_grad(set_to_none=True)
+        peaks[variant], sizes = peak(allocations(lambda: step(ids).backward()))
+        ratio = f"{peaks[variant] / peaks['bf16']:.3f}x BF16's" if "bf16" in peaks else ""
+        alive = ", ".join(f"{n} x {b / 2**10:.0f} KiB" for b, n in sorted(sizes.items(), reverse=True)[: args.top])
+        print(f"{variant:<20} peak {peaks[variant] / 2**20:7.2f} MiB  {ratio:>14}   alive then: {alive}", flush=True)
+    print("target: every fp8fx variant at most BF16's peak")
+
+
+if __name__ == "__main__":
+    main()
