@@ -19,6 +19,7 @@ import argparse
 import collections
 
 import torch
+from fusion_counts import llama, torchao_llama  # the same Llama, and torchao's conversion of it
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
@@ -26,16 +27,6 @@ import fp8fx
 from fp8fx.compiler import lowering
 
 SCALED_MM = "aten::_scaled_mm"
-
-
-def llama(args) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                      num_key_value_heads=args.kv_heads, vocab_size=args.vocab, use_cache=False)  # fmt: skip
-    return LlamaForCausalLM(cfg).to(torch.bfloat16)
 
 
 class Loss(torch.nn.Module):
@@ -50,17 +41,14 @@ class Loss(torch.nn.Module):
 
 
 def compiled_step(variant: str, args) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(the Llama, its loss compiled as `variant`: bf16, fp8fx-<recipe> or torchao-<recipe>)."""
-    model = llama(args)
+    """(the BF16 Llama, its loss compiled as `variant`: bf16, fp8fx-<recipe> or torchao-<recipe>)."""
     kind, _, recipe = variant.partition("-")
+    if kind not in ("fp8fx", "torchao") and variant != "bf16":
+        raise SystemExit(f"unknown variant {variant!r}: bf16, fp8fx-<recipe> or torchao-<recipe>")
+    model, _ = torchao_llama(recipe, args) if kind == "torchao" else llama(args)
+    model = model.to(torch.bfloat16)
     if kind == "fp8fx":
         return model, torch.compile(Loss(model), backend=fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor"))
-    if kind == "torchao":
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear))
-    elif variant != "bf16":
-        raise SystemExit(f"unknown variant {variant!r}: bf16, fp8fx-<recipe> or torchao-<recipe>")
     return model, torch.compile(Loss(model))
 
 
@@ -116,6 +104,7 @@ def main() -> None:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--variants", default="bf16,fp8fx-tensorwise,fp8fx-rowwise,torchao-tensorwise,torchao-rowwise")
     args = ap.parse_args()
+    args.device, args.cublas = "cpu", True  # (what fusion_counts' models read: torchao's GEMMs `_scaled_mm` calls too)
     lowering.CUBLAS_DEVICES = (*lowering.CUBLAS_DEVICES, "cpu")  # the GEMMs a GPU gives cuBLAS, as `aten._scaled_mm`
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False

@@ -270,11 +270,11 @@ def let_backward_cast_again(graph: fx.Graph) -> int:
             continue
         for side, role in enumerate(ann.decision.operand_roles):
             operand = gemm.args[side]
-            base, _ = _view_chain(operand)
+            base, chain = _view_chain(operand)
             val = operand.meta["val"]
             if role != "input" or base.op != "call_function" or val.dtype not in FP8_DTYPES or val.dim() != 2 or val.t().is_contiguous():
                 continue
-            key = views_key(*_view_chain(operand))
+            key = views_key(base, chain)
             if key not in copies:
                 with graph.inserting_before(gemm):
                     t = add_node(graph, fake_mode, aten.permute.default, (operand, [1, 0]), tag_from=gemm)
@@ -329,6 +329,7 @@ def lay_out_operands(gm: fx.GraphModule) -> set[tuple[str, str]]:
     laid: dict[tuple, fx.Node] = {}
     gemms = set()
     to_lay = []
+    sharing: dict[tuple, set[fx.Node]] = {}  # per copy, its GEMMs and the views they read it through
     for gemm in [n for n in fp8_gemm_nodes(gm.graph) if n.target is not fp8fx_ops.fp8_grouped_mm.default and annotation(n) is not None]:
         ann = annotation(gemm)
         if all(x.meta["val"].dim() == 2 for x in gemm.args[:2]):
@@ -337,10 +338,10 @@ def lay_out_operands(gm: fx.GraphModule) -> set[tuple[str, str]]:
             val = gemm.args[side].meta["val"]
             if val.dim() == 2 and not k_contiguous(val, side):
                 # GEMMs reading one tensor alike (q, k, v's weight gradients) share its copy
-                to_lay.append((gemm, side, (*views_key(*_view_chain(gemm.args[side])), side)))
-    sharing: dict[tuple, set[fx.Node]] = {}  # per copy, its GEMMs and the views they read it through
-    for gemm, side, key in to_lay:
-        sharing.setdefault(key, set()).update((gemm, *_view_chain(gemm.args[side])[1]))
+                base, chain = _view_chain(gemm.args[side])
+                key = (*views_key(base, chain), side)
+                to_lay.append((gemm, side, key))
+                sharing.setdefault(key, set()).update((gemm, *chain))
     for gemm, side, key in to_lay:
         ann, operand = annotation(gemm), gemm.args[side]
         emulated = _runs_emulated(gemm)
