@@ -103,6 +103,18 @@ class _Scheduled(Exception):
     """Raised where Inductor's Triton backend would generate the code of a graph it has scheduled."""
 
 
+def gpu_realize_rule():
+    """Inductor decides which values its kernels store and which each reader computes again by
+    rules that differ on a CPU: there it stores any value several kernels read that computes exp,
+    log, sigmoid or tanh (SiLU's backward reads its sigmoid twice), and it takes larger op and read
+    counts (50 ops against 30) before storing a value. Within this context a CPU graph takes the
+    GPU's rules: `ir.is_cpu`, which Inductor's IR module consults for these rules alone (torch 2.11
+    to 2.13), says no."""
+    from torch._inductor import ir
+
+    return unittest.mock.patch.object(ir, "is_cpu", lambda _: False)
+
+
 @contextlib.contextmanager
 def scheduled_by_triton(counts: list):
     """Compile the graphs inside with Inductor's Triton backend on CPU tensors, up to its fused
@@ -125,7 +137,7 @@ def scheduled_by_triton(counts: list):
 
     # The backend hash names the driver (none on a CPU); no kernel is built, so any name does.
     with config.patch(cpu_backend="triton"), unittest.mock.patch.object(triton_utils, "triton_hash_with_backend", lambda: "cpu"), \
-            unittest.mock.patch.object(Scheduler, "codegen", stop):  # fmt: skip
+            unittest.mock.patch.object(Scheduler, "codegen", stop), gpu_realize_rule():  # fmt: skip
         yield
 
 

@@ -2,14 +2,15 @@
 against plain BF16 Inductor and torchao's float8 training, in one run.
 
 Run: python bench/peak_memory.py [--layers 2 --hidden 256 --intermediate 896 --vocab 2048 --seq 256 --batch 2]
-         [--variants bf16,fp8fx-tensorwise,fp8fx-rowwise,torchao-tensorwise,torchao-rowwise] [--top 12]
+         [--variants bf16,fp8fx-tensorwise,fp8fx-rowwise,torchao-tensorwise,torchao-rowwise] [--top 12] [--cpu-realize]
 
 Every variant is compiled with Inductor, its FP8 GEMMs as `aten._scaled_mm` (the graph a GPU's cuBLAS
 GEMMs make; torch's CPU build runs them), and one step (forward and backward of the loss) runs
 under PyTorch's memory profiler. The peak is the most the step's allocations held at once, above
 what was allocated before it (weights, and on a GPU the optimizer's state, which every variant holds
 alike). Allocations made and freed inside one `aten._scaled_mm` call are left out: torch's CPU kernel
-upcasts its operands to fp32 there, where cuBLAS allocates nothing. Prints each variant's peak, its
+upcasts its operands to fp32 there, where cuBLAS allocates nothing. Inductor decides which values to
+store by a GPU's rule (`gpu_realize_rule`; `--cpu-realize` keeps the CPU's). Prints each variant's peak, its
 ratio to BF16's, and the sizes alive at that moment (`--top`). The project's target: at most BF16's.
 """
 
@@ -17,9 +18,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 
 import torch
-from fusion_counts import llama, torchao_llama  # the same Llama, and torchao's conversion of it
+from fusion_counts import gpu_realize_rule, llama, torchao_llama  # the same Llama, and torchao's conversion of it
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
@@ -103,6 +105,7 @@ def main() -> None:
                           ("seq", 256), ("batch", 2), ("top", 12)):  # fmt: skip
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--variants", default="bf16,fp8fx-tensorwise,fp8fx-rowwise,torchao-tensorwise,torchao-rowwise")
+    ap.add_argument("--cpu-realize", action="store_true", help="store values as Inductor does on a CPU, not as on a GPU")
     args = ap.parse_args()
     args.device, args.cublas = "cpu", True  # (what fusion_counts' models read: torchao's GEMMs `_scaled_mm` calls too)
     lowering.CUBLAS_DEVICES = (*lowering.CUBLAS_DEVICES, "cpu")  # the GEMMs a GPU gives cuBLAS, as `aten._scaled_mm`
@@ -110,14 +113,15 @@ def main() -> None:
     torch._functorch.config.enable_autograd_cache = False
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     print(f"Llama {args.layers} layer(s), hidden {args.hidden}, MLP {args.intermediate}, vocab {args.vocab}, {args.batch} x {args.seq} tokens, "
-          "bf16, Inductor, FP8 GEMMs as aten._scaled_mm")  # fmt: skip
+          f"bf16, Inductor, FP8 GEMMs as aten._scaled_mm, values stored by {'a CPU' if args.cpu_realize else 'a GPU'}'s rule")  # fmt: skip
     peaks = {}
     for variant in args.variants.split(","):
         model, step = compiled_step(variant, args)
-        for _ in range(2):  # compile, then a step with the allocator warm
-            step(ids).backward()
-        model.zero_grad(set_to_none=True)
-        peaks[variant], sizes = peak(allocations(lambda: step(ids).backward()))
+        with contextlib.nullcontext() if args.cpu_realize else gpu_realize_rule():
+            for _ in range(2):  # compile, then a step with the allocator warm
+                step(ids).backward()
+            model.zero_grad(set_to_none=True)
+            peaks[variant], sizes = peak(allocations(lambda: step(ids).backward()))
         ratio = f"{peaks[variant] / peaks['bf16']:.3f}x BF16's" if "bf16" in peaks else ""
         alive = ", ".join(f"{n} x {b / 2**10:.0f} KiB" for b, n in sorted(sizes.items(), reverse=True)[: args.top])
         print(f"{variant:<20} peak {peaks[variant] / 2**20:7.2f} MiB  {ratio:>14}   alive then: {alive}", flush=True)

@@ -36,6 +36,7 @@ from fp8fx.compiler.lowering import (
     lower_elementwise,
     operand_numels,
 )
+from fp8fx.compiler.ordering import input_gradients_first
 from fp8fx.compiler.state import Fp8State, StateInstance, instance_keys, locate
 from fp8fx.core.patterns import BY_TARGET, OPAQUE
 from fp8fx.core.policy import Policy
@@ -521,6 +522,7 @@ class _InductorJointPass(CustomGraphPass):
         decompose_nodes(graph, self.decompositions)
         lower_casts(graph, self.decompositions)
         let_backward_cast_again(graph)
+        input_gradients_first(graph)
 
     def uuid(self) -> str | None:
         # With a key, a cached compile skips the pass; the backend then reads its records back.

@@ -26,16 +26,20 @@ def tiny_cublas_args(monkeypatch):
         yield argparse.Namespace(**args)
 
 
-# Tensorwise counted from Inductor's Triton scheduler (as a GPU's kernels), rowwise from its C++ one.
-@pytest.mark.parametrize("recipe, scheduler", [("tensorwise", "triton"), pytest.param("rowwise", "cpp", marks=CUBLAS_ROWWISE.marks)])
-def test_fp8fx_adds_fewer_passes_than_torchao(recipe, scheduler, tiny_cublas_args):
+# Counted from Inductor's Triton scheduler under a GPU's rules for what it stores (as a GPU's kernels).
+@pytest.mark.parametrize("recipe", ["tensorwise", CUBLAS_ROWWISE])
+def test_fp8fx_adds_fewer_passes_than_torchao(recipe, tiny_cublas_args):
+    """Fewer passes, and no more backward kernels (each a launch on a GPU). Rowwise took 129 passes
+    and 73 backward kernels against torchao's 96 and 55 while Inductor computed each cast's scale
+    where the cast read it: the product `x * scale` then had too many ops for a GPU's kernels to
+    compute it where read, and was stored in fp32 (`fp8fx.compiler.lowering._scaled`)."""
     pytest.importorskip("torchao")
     import fusion_counts
 
-    tiny_cublas_args.scheduler = scheduler
+    tiny_cublas_args.scheduler = "triton"
     ours = fusion_counts.count(recipe, tiny_cublas_args)
     theirs = fusion_counts.count(f"torchao-{recipe}", tiny_cublas_args)
     assert ours["fp8_gemms"] == theirs["fp8_gemms"] == 24
-    assert ours["fp8fx_ops_called"] == ({} if scheduler == "cpp" else None)
-    # measured: 85 against 92 tensorwise (Triton), 76 against 89 rowwise (C++)
+    # measured: 89 against 91 tensorwise, 71 against 96 rowwise; backward kernels 35 against 35, 42 against 55
     assert 0 < ours["memory_passes_added"] < theirs["memory_passes_added"]
+    assert ours["kernels"][1] <= theirs["kernels"][1]
