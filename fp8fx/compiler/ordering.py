@@ -33,7 +33,7 @@ def input_gradients_first(graph: fx.Graph) -> int:
         if order[weight] > order[grad_input]:
             continue
         group = _private_inputs(weight) | _readers_before(weight, grad_input, order)
-        if group & _inputs_of(grad_input):
+        if group & _inputs_after(grad_input, min(map(order.__getitem__, group)), order):
             continue
         anchor = grad_input
         for node in sorted(group, key=order.__getitem__):
@@ -67,11 +67,12 @@ def _readers_before(node: fx.Node, end: fx.Node, order: dict) -> set[fx.Node]:
     return found
 
 
-def _inputs_of(node: fx.Node) -> set[fx.Node]:
+def _inputs_after(node: fx.Node, start: int, order: dict) -> set[fx.Node]:
+    """What `node` reads, directly or not, from position `start` of the graph on."""
     found, todo = set(), list(node.all_input_nodes)
     while todo:
         n = todo.pop()
-        if n not in found:
+        if n not in found and order[n] >= start:
             found.add(n)
             todo += n.all_input_nodes
     return found
