@@ -211,6 +211,8 @@ class GpuSpec:
 # H100 profile: 19.3 ms), which the tile model meets at main loops of 0.85 and 0.80 of the peaks.
 # Rowwise (cuBLAS's row-scaled `_scaled_mm`): its step is 6.6 ms (H200, third run) and 7.6 ms (H100,
 # "Fifth run") longer than tensorwise; less its passes, its GEMMs run at 0.78 of tensorwise's rate.
+# Those steps also stored the fp32 product of each rowwise cast of a recomputed gradient (fixed
+# since, `fp8fx.compiler.lowering._scaled`), time this rate absorbs: to be set again from a GPU run.
 # The H200's AdamW step took 9.24-9.40 ms over 1.41 GB of BF16 parameters (third run's profile):
 # 0.66 of its bandwidth; on the H100 the steps fit the default 0.85 (torch's foreach kernels do not
 # keep up with the H200's faster memory).
