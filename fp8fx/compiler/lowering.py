@@ -64,9 +64,9 @@ def _scaled(x: Tensor, scale: Tensor, block: list[int]) -> Tensor:
     block, written by the amax's kernel). Computed where it is read instead, its 20-odd scalar ops
     (a power-of-two scale's bit masks, the checks for a zero or non-finite amax) took the product
     past the op count at which Inductor's GPU rules store a value: the fp32 product `x * scale` of
-    every rowwise cast of a recomputed tensor was written and read back (a BF16 Llama step: 4 fp32
-    MLP-sized tensors alive at the backward's peak, 57 memory passes more than with the scale
-    stored)."""
+    every rowwise cast of a recomputed tensor was written and read back (a BF16 Llama step, as
+    `bench/peak_memory.py` and `bench/fusion_counts.py` count it: three fp32 MLP-sized tensors
+    alive at the backward's peak, 57 memory passes more)."""
     if x.dtype == torch.float64 or x.dim() == 0:
         x = x.to(torch.float32)
     scale = scale.as_strided(scale.shape, scale.stride())
