@@ -20,7 +20,7 @@ def input_gradients_first(graph: fx.Graph) -> int:
     Inductor keeps what the two share alive across the input-gradient GEMM (on a CPU, SiLU's
     sigmoid in fp32). Input gradient first, as torchao's and the autograd engine's order is, the
     recompute sits beside the activation's backward (`bench/peak_memory.py`, a BF16 Llama step:
-    11.94 -> 11.52 MiB rowwise, 11.54 -> 11.17 tensorwise)."""
+    11.96 -> 11.52 MiB rowwise, 11.54 -> 11.17 tensorwise)."""
     gemms: dict[str, dict[str, list[fx.Node]]] = collections.defaultdict(lambda: collections.defaultdict(list))
     for gemm in fp8_gemm_nodes(graph):
         ann = annotation(gemm)
