@@ -125,7 +125,7 @@ def scheduled_by_triton(counts: list):
     from torch._inductor import config
     from torch._inductor.scheduler import Scheduler
 
-    from fp8fx.compiler import kernel_passes
+    from fp8fx.compiler import kernel_passes, lowering
 
     def stop(scheduler):
         active = kernel_passes._active[-1]
@@ -135,9 +135,11 @@ def scheduled_by_triton(counts: list):
         counts.append((sum(graph.passes.values()), sum(not n.is_extern() for n in scheduler.nodes)))
         raise _Scheduled
 
-    # The backend hash names the driver (none on a CPU); no kernel is built, so any name does.
+    # The backend hash names the driver (none on a CPU); no kernel is built, so any name does. A GEMM
+    # not given to cuBLAS stays whole, as a GPU's generated kernel, not the CPU's emulation.
     with config.patch(cpu_backend="triton"), unittest.mock.patch.object(triton_utils, "triton_hash_with_backend", lambda: "cpu"), \
-            unittest.mock.patch.object(Scheduler, "codegen", stop), gpu_realize_rule():  # fmt: skip
+            unittest.mock.patch.object(Scheduler, "codegen", stop), gpu_realize_rule(), \
+            unittest.mock.patch.object(lowering, "_emulated", lambda a, b, gpu_kernel="scaled_mm": False):  # fmt: skip
         yield
 
 
