@@ -343,17 +343,17 @@ def lay_out_operands(gm: fx.GraphModule) -> set[tuple[str, str]]:
         ann = annotation(gemm)
         if all(x.meta["val"].dim() == 2 for x in gemm.args[:2]):
             gemms.add((ann.site, ann.role))
+        emulated = _runs_emulated(gemm)
         for side in (0, 1):
             val = gemm.args[side].meta["val"]
             if val.dim() == 2 and not k_contiguous(val, side):
                 # GEMMs reading one tensor alike (q, k, v's weight gradients) share its copy
                 base, chain = _view_chain(gemm.args[side])
                 key = (*views_key(base, chain), side)
-                to_lay.append((gemm, side, key))
+                to_lay.append((gemm, side, key, emulated))
                 sharing.setdefault(key, set()).update((gemm, *chain))
-    for gemm, side, key in to_lay:
+    for gemm, side, key, emulated in to_lay:
         ann, operand = annotation(gemm), gemm.args[side]
-        emulated = _runs_emulated(gemm)
         if key not in laid:
             with gm.graph.inserting_before(gemm):
                 # An emulated GEMM's ATen ops fuse with the cast and the copy: nothing stores them.
