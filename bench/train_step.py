@@ -2,7 +2,8 @@
 torchao's float8 emulate mode, each pair with the same inner compiler.
 
 Run: python bench/train_step.py [--inner inductor|eager|both] [--layers 2 --dim 256 --seq 128 --batch 8]
-Prints, per inner compiler, the first step (compile + run), the median of the next steps and the
+Prints, per inner compiler, the first step (compile + run), the median step (the three variants'
+steps interleaved, one of each per round, so the machine's slow spells fall on all of them), the
 time per step in Inductor's compiled kernels (profiled; FP8's elementwise work), and the ratios
 the project targets: fp8fx's step overhead over plain at most torchao emulate's (an exact
 emulation's fp32 GEMMs alone take a plain step's time), first step <= 1.15x plain.
@@ -49,31 +50,40 @@ def build_model(args):
     return LlamaForCausalLM(cfg)
 
 
-def time_steps(model: torch.nn.Module, compiled, tokens: torch.Tensor, steps: int, profile: bool = True) -> tuple[float, float, float]:
-    """(first step s, median step s, ms per step in Inductor's compiled kernels, 0 without
-    `profile`). The last is the compiled graphs' own CPU time over 5 profiled steps: the GEMMs and
-    attention they call are ops of their own in the profile, so it is the elementwise and reduction
-    work, FP8's casts included, and far less noisy than a step's wall time."""
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+class Variant:
+    """One model, its compiled forward and its optimizer: a training step to time."""
 
-    def step():
-        loss = compiled(tokens).logits.float().pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    def __init__(self, model: torch.nn.Module, compiled, tokens: torch.Tensor):
+        self.compiled, self.tokens = compiled, tokens
+        self.opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 
-    times = []
-    for _ in range(steps + 1):
+    def step(self) -> float:
         start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    if not profile:
-        return times[0], statistics.median(times[1:]), 0.0
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(5):
-            step()
-    kernels = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("## Call CompiledFxGraph"))
-    return times[0], statistics.median(times[1:]), kernels / 5 / 1000
+        loss = self.compiled(self.tokens).logits.float().pow(2).mean()
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return time.perf_counter() - start
+
+    def kernel_ms(self, steps: int = 5) -> float:
+        """ms per step in Inductor's compiled kernels: the compiled graphs' own CPU time (the GEMMs
+        and attention they call are ops of their own in the profile), so the elementwise and
+        reduction work, FP8's casts included, and far less noisy than a step's wall time."""
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                self.step()
+        own = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("## Call CompiledFxGraph"))
+        return own / steps / 1000
+
+
+def time_interleaved(variants: dict[str, Variant], rounds: int) -> dict[str, list[float]]:
+    """Step times, one step of each variant per round: a slow spell of the machine falls on all of
+    them alike, so per-round differences between variants hold where separate runs drift."""
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, variant in variants.items():
+            times[name].append(variant.step())
+    return times
 
 
 def warm_up(inner: str) -> None:
@@ -83,25 +93,28 @@ def warm_up(inner: str) -> None:
     torch._dynamo.reset()
 
 
-def run(
-    inner: str, base: torch.nn.Module, tokens: torch.Tensor, steps: int, fuse: bool = True, saved_outputs: str = "bf16"
-) -> dict[str, tuple[float, float, float]]:
+def run(inner: str, base: torch.nn.Module, tokens: torch.Tensor, rounds: int, fuse: bool = True, saved_outputs: str = "bf16") -> dict:
+    """Per variant (plain, fp8fx, torchao emulate): its first step (compile + run), its step times
+    (interleaved with the others') and its ms per step in compiled kernels."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    results = {}
     warm_up(inner)
-    plain = copy.deepcopy(base)
-    torch._dynamo.reset()
-    results["plain"] = time_steps(plain, torch.compile(plain, backend=PLAIN_BACKEND[inner]), tokens, steps)
-    ours = copy.deepcopy(base)
-    torch._dynamo.reset()
-    backend = fp8fx.backend(inner=inner, fuse_epilogues=fuse, saved_outputs=saved_outputs)
-    results["fp8fx"] = time_steps(ours, torch.compile(ours, backend=backend), tokens, steps)
-    ao = copy.deepcopy(base)
+    plain, ours, ao = (copy.deepcopy(base) for _ in range(3))
     convert_to_float8_training(ao, config=Float8LinearConfig(emulate=True))
-    torch._dynamo.reset()
-    results["torchao"] = time_steps(ao, torch.compile(ao, backend=PLAIN_BACKEND[inner]), tokens, steps)
-    return results
+    backends = {"plain": (plain, PLAIN_BACKEND[inner]), "fp8fx": (ours, fp8fx.backend(inner=inner, fuse_epilogues=fuse, saved_outputs=saved_outputs)),
+                "torchao": (ao, PLAIN_BACKEND[inner])}  # fmt: skip
+    variants, first = {}, {}
+    for name, (model, backend) in backends.items():
+        variants[name] = Variant(model, torch.compile(model, backend=backend), tokens)
+        first[name] = variants[name].step()
+    times = time_interleaved(variants, rounds)
+    kernels = {name: variant.kernel_ms() if inner == "inductor" else 0.0 for name, variant in variants.items()}
+    return {"first": first, "times": times, "kernels": kernels}
+
+
+def overhead(times: dict[str, list[float]], name: str) -> float:
+    """Median over rounds of `name`'s step minus plain's step of the same round, in s."""
+    return statistics.median(t - p for t, p in zip(times[name], times["plain"]))
 
 
 def first_step_child(args) -> None:
@@ -110,7 +123,7 @@ def first_step_child(args) -> None:
     tokens = torch.randint(0, 256, (args.batch, args.seq))
     warm_up("inductor")
     backend = fp8fx.backend(inner="inductor") if args.child == "fp8fx" else "inductor"
-    first, _, _ = time_steps(base, torch.compile(base, backend=backend), tokens, 1, profile=False)
+    first = Variant(base, torch.compile(base, backend=backend), tokens).step()
     report = fp8fx.report(backend).to_dict() if args.child == "fp8fx" else None
     print(json.dumps({"first": first, "report": report}, default=str))
 
@@ -140,7 +153,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=15, help="timed steps per variant, interleaved: one of each per round")
     ap.add_argument("--no-fusion", action="store_true", help="keep fp8fx's FP8 GEMMs unfused (fuse_epilogues=False)")
     ap.add_argument(
         "--saved-outputs",
@@ -162,21 +175,22 @@ def main() -> None:
     print(f"Llama {args.layers} layers, dim {args.dim}, batch {args.batch} x seq {args.seq}, fp32 params, {torch.get_num_threads()} threads")
     for inner in ("eager", "inductor") if args.inner == "both" else (args.inner,):
         r = run(inner, base, tokens, args.steps, fuse=not args.no_fusion, saved_outputs=args.saved_outputs)
-        print(f"\ninner={inner} (plain and torchao use backend={PLAIN_BACKEND[inner]!r})")
-        for name, (first, step, kernels) in r.items():
-            print(f"  {name:8s} first step {first:7.2f} s   step {1000 * step:8.1f} ms   in compiled kernels {kernels:6.1f} ms")
-        over = {name: r[name][1] - r["plain"][1] for name in ("fp8fx", "torchao")}
-        print(f"  fp8fx step / torchao emulate step = {r['fp8fx'][1] / r['torchao'][1]:.2f}")
-        print(f"  step overhead over plain: fp8fx {1000 * over['fp8fx']:.1f} ms, torchao {1000 * over['torchao']:.1f} ms, "
-              f"ratio {over['fp8fx'] / over['torchao']:.2f}   (target <= 1)")
+        first, times, kernels = r["first"], r["times"], r["kernels"]
+        print(f"\ninner={inner} (plain and torchao use backend={PLAIN_BACKEND[inner]!r}); {args.steps} steps each, interleaved")
+        for name in times:
+            print(f"  {name:8s} first step {first[name]:7.2f} s   median step {1000 * statistics.median(times[name]):8.1f} ms"
+                  f"   in compiled kernels {kernels[name]:6.1f} ms")  # fmt: skip
+        over = {name: overhead(times, name) for name in ("fp8fx", "torchao")}
+        print(f"  fp8fx step / torchao emulate step = {statistics.median(times['fp8fx']) / statistics.median(times['torchao']):.2f}")
+        print(f"  step overhead over plain (median of per-round differences): fp8fx {1000 * over['fp8fx']:.1f} ms, "
+              f"torchao {1000 * over['torchao']:.1f} ms, ratio {over['fp8fx'] / over['torchao']:.2f}   (target <= 1)")
         if inner == "inductor":
-            extra = {name: r[name][2] - r["plain"][2] for name in ("fp8fx", "torchao")}
+            extra = {name: kernels[name] - kernels["plain"] for name in ("fp8fx", "torchao")}
             print(
                 f"  compiled-kernel time over plain: fp8fx {extra['fp8fx']:.1f} ms, torchao {extra['torchao']:.1f} ms, "
                 f"ratio {extra['fp8fx'] / extra['torchao']:.2f}   (target <= 1)"
             )
-        print(f"  fp8fx first step / plain first step = {r['fp8fx'][0] / r['plain'][0]:.2f}   (not cold)")
-
+        print(f"  fp8fx first step / plain first step = {first['fp8fx'] / first['plain']:.2f}   (not cold)")
 
 if __name__ == "__main__":
     main()
