@@ -36,6 +36,7 @@ from fp8fx.codegen.dispatch import interpreter_active, scaled_mm_kind
 from fp8fx.core import scaling
 from fp8fx.core.formats import FP8_DTYPES, fp8_format_of
 from fp8fx.ops import cuda, reference
+from fp8fx.ops.args import Fp8GemmArgs, ScaledMmArgs, gemm_args
 from fp8fx.passes.annotation import annotation, fp8_gemm_nodes
 from fp8fx.passes.graph_utils import add_node, decompose_nodes, fake_mode_of, k_contiguous, views_key
 
@@ -142,16 +143,14 @@ def _on_cublas(a: Tensor, b: Tensor, block_a: list[int], block_b: list[int], gpu
     return all(isinstance(d, int) and d % 16 == 0 for d in sizes) and scaled_mm_kind(block_a, block_b) in ("tensorwise", "rowwise")
 
 
-def _cublas_fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue,
-                     *, gpu_kernel, fast_accum):  # fmt: skip
+def _cublas_fp8_gemm(g: Fp8GemmArgs):
     """A cuBLAS FP8 GEMM as the ATen ops `fp8fx::fp8_gemm`'s CUDA implementation runs (traced: its
     `aten._scaled_mm` and epilogue), so that Inductor's code calls cuBLAS itself (no Python per
     call, as for torchao's GEMMs) and fuses the epilogue. Its padding and column-major copy are
     no-ops here: the sizes are multiples of 16 and the operands K-major (`lay_out_operands`)."""
-    if not _on_cublas(a, b, block_a, block_b, gpu_kernel):
+    if not _on_cublas(g.a, g.b, g.block_a, g.block_b, g.gpu_kernel):
         return NotImplemented
-    args = (a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue)
-    return cuda.fp8_gemm_cuda(*args, gpu_kernel=gpu_kernel, fast_accum=fast_accum)
+    return cuda.fp8_gemm_on_cuda(g)
 
 
 def _scaled_mm(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, block_a, block_b, fast_accum=False):
@@ -160,28 +159,26 @@ def _scaled_mm(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, block_a, block_b
     return reference.emulated_mm(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, block_a, block_b, _to_fp32)
 
 
-def _fp8_gemm_emulated(a: Tensor, b: Tensor, block_a: list[int], block_b: list[int], gpu_kernel: str) -> bool:
-    """Whether an `fp8fx::fp8_gemm` on `a`, `b` runs the exact CPU emulation: one the graph does not
-    give to cuBLAS."""
-    return not _on_cublas(a, b, block_a, block_b, gpu_kernel) and _emulated(a, b, gpu_kernel)
+def _fp8_gemm_emulated(g: Fp8GemmArgs) -> bool:
+    """Whether an `fp8fx::fp8_gemm` runs the exact CPU emulation: one the graph does not give to cuBLAS."""
+    return not _on_cublas(g.a, g.b, g.block_a, g.block_b, g.gpu_kernel) and _emulated(g.a, g.b, g.gpu_kernel)
 
 
-def _fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, *,
-              gpu_kernel, fast_accum):  # fmt: skip
-    if _fp8_gemm_emulated(a, b, block_a, block_b, gpu_kernel):
-        return reference.emulated_fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype,
-                                           block_a, block_b, epilogue, _to_fp32)  # fmt: skip
-    args = (a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue)
-    return _cublas_fp8_gemm(*args, gpu_kernel=gpu_kernel, fast_accum=fast_accum)
+def _fp8_gemm(*args, **kwargs):
+    g = Fp8GemmArgs.bind(args, kwargs)
+    if _fp8_gemm_emulated(g):
+        return reference.emulated_fp8_gemm(g, _to_fp32)
+    return _cublas_fp8_gemm(g)
 
 
 def _runs_emulated(gemm: fx.Node) -> bool:
     """Whether an `fp8fx::` GEMM node becomes the exact CPU emulation here (`_scaled_mm`, `_fp8_gemm`)."""
-    a, b = (x.meta["val"] for x in gemm.args[:2])
     if gemm.target is fp8fx_ops.scaled_mm.default:
-        return _emulated(a, b)
+        g = ScaledMmArgs.of(gemm)
+        return _emulated(g.a.meta["val"], g.b.meta["val"])
     if gemm.target is fp8fx_ops.fp8_gemm.default:
-        return _fp8_gemm_emulated(a, b, gemm.args[10], gemm.args[11], gemm.kwargs["gpu_kernel"])
+        g = Fp8GemmArgs.of(gemm)
+        return _fp8_gemm_emulated(g.replace(a=g.a.meta["val"], b=g.b.meta["val"]))
     return False
 
 
@@ -278,7 +275,7 @@ def let_backward_cast_again(graph: fx.Graph) -> int:
         if ann is None or ann.role == "output" or not ann.fp8:
             continue
         for side, role in enumerate(ann.decision.operand_roles):
-            operand = gemm.args[side]
+            operand = gemm_args(gemm).operands[side]
             base, chain = _view_chain(operand)
             val = operand.meta["val"]
             if role != "input" or base.op != "call_function" or val.dtype not in FP8_DTYPES or val.dim() != 2 or val.t().is_contiguous():
@@ -290,7 +287,7 @@ def let_backward_cast_again(graph: fx.Graph) -> int:
                     copy = add_node(graph, fake_mode, aten.clone.default, (t,), {"memory_format": torch.contiguous_format}, tag_from=gemm)
                     copies[key] = add_node(graph, fake_mode, aten.permute.default, (copy, [1, 0]), tag_from=gemm)
                 copy.meta.update({PARTITION_COPY: True, "recompute": CheckpointPolicy.MUST_RECOMPUTE})
-            gemm.update_arg(side, copies[key])
+            gemm_args(gemm).with_operand(side, copies[key]).write(gemm)
     return len(copies)
 
 
@@ -340,20 +337,20 @@ def lay_out_operands(gm: fx.GraphModule) -> set[tuple[str, str]]:
     to_lay = []
     sharing: dict[tuple, set[fx.Node]] = {}  # per copy, its GEMMs and the views they read it through
     for gemm in [n for n in fp8_gemm_nodes(gm.graph) if n.target is not fp8fx_ops.fp8_grouped_mm.default and annotation(n) is not None]:
-        ann = annotation(gemm)
-        if all(x.meta["val"].dim() == 2 for x in gemm.args[:2]):
+        ann, operands = annotation(gemm), gemm_args(gemm).operands
+        if all(x.meta["val"].dim() == 2 for x in operands):
             gemms.add((ann.site, ann.role))
         emulated = _runs_emulated(gemm)
         for side in (0, 1):
-            val = gemm.args[side].meta["val"]
+            val = operands[side].meta["val"]
             if val.dim() == 2 and not k_contiguous(val, side):
                 # GEMMs reading one tensor alike (q, k, v's weight gradients) share its copy
-                base, chain = _view_chain(gemm.args[side])
+                base, chain = _view_chain(operands[side])
                 key = (*views_key(base, chain), side)
                 to_lay.append((gemm, side, key, emulated))
                 sharing.setdefault(key, set()).update((gemm, *chain))
     for gemm, side, key, emulated in to_lay:
-        ann, operand = annotation(gemm), gemm.args[side]
+        ann, operand = annotation(gemm), gemm_args(gemm).operands[side]
         if key not in laid:
             with gm.graph.inserting_before(gemm):
                 # An emulated GEMM's ATen ops fuse with the cast and the copy: nothing stores them.
@@ -362,9 +359,7 @@ def lay_out_operands(gm: fx.GraphModule) -> set[tuple[str, str]]:
                 copy = add_node(gm.graph, fake_mode, aten.clone.default, (t,), {"memory_format": torch.contiguous_format}, tag_from=gemm)
                 laid[key] = _copy_read(gm, fake_mode, copy, side, gemm, emulated)
             copy.meta[CHARGED_TO] = (ann.site, ann.role)
-        args = list(gemm.args)
-        args[side] = laid[key]
-        gemm.args = tuple(args)
+        gemm_args(gemm).with_operand(side, laid[key]).write(gemm)
     gm.recompile()
     return gemms
 

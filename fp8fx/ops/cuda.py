@@ -29,6 +29,7 @@ from fp8fx.core import grouped
 from fp8fx.core.epilogue import Epilogue
 from fp8fx.core.formats import FP8_DTYPES, fp8_format_of
 from fp8fx.ops import library, reference
+from fp8fx.ops.args import Fp8GemmArgs
 
 ALIGN = 16
 NO_EPILOGUE = Epilogue()
@@ -160,41 +161,44 @@ def scaled_mm_cuda(
     return out
 
 
-def fp8_gemm_triton(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, ep: Epilogue,
-                    fast_accum: bool):  # fmt: skip
+def fp8_gemm_triton(g: Fp8GemmArgs, ep: Epilogue):
     """The generated kernel, through the launcher every device uses (GPUs, and the interpreter)."""
     from fp8fx.codegen.launch import fp8_gemm
 
     out, aux, amax = fp8_gemm(
-        a, b, scale_inv_a, scale_inv_b, block_a=tuple(block_a), block_b=tuple(block_b), epilogue=ep, bias=bias, other=other,
-        residual=residual, out_scale=out_scale, out_dtype=out_dtype, aux_dtype=aux_dtype, fast_accum=fast_accum,
+        g.a, g.b, g.scale_inv_a, g.scale_inv_b, block_a=tuple(g.block_a), block_b=tuple(g.block_b), epilogue=ep, bias=g.bias,
+        other=g.other, residual=g.residual, out_scale=g.out_scale, out_dtype=g.out_dtype, aux_dtype=g.aux_dtype,
+        fast_accum=g.fast_accum,
     )  # fmt: skip
     # Absent outputs are fresh empty tensors (outputs of a custom op may not alias each other).
-    aux = aux if aux is not None else out.new_empty(0, dtype=aux_dtype)
+    aux = aux if aux is not None else out.new_empty(0, dtype=g.aux_dtype)
     return out, aux, amax if amax is not None else out.new_empty(0, dtype=torch.float32)
 
 
-def fp8_gemm_cuda(*args, gpu_kernel: str, fast_accum: bool):
-    """`fp8fx::fp8_gemm` on CUDA (its positional arguments: the operands, then the epilogue spec):
-    the kernel the graph chose."""
-    *operands, epilogue = args
-    ep = Epilogue.parse(epilogue)
-    if gpu_kernel in ("scaled_mm", "nvfp4"):  # cuBLASLt's (NVFP4: the FP4 kernel's) GEMM, then the epilogue as torch ops
-        a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b = operands
-        if ep == NO_EPILOGUE and out_dtype not in FP8_DTYPES:  # cuBLAS writes the output: no fp32 product to convert
-            out = scaled_mm_2d(a, b, scale_inv_a, scale_inv_b, out_dtype, block_a, block_b, fast_accum=fast_accum)
-            return out, out.new_empty(0, dtype=aux_dtype), out.new_empty(0, dtype=torch.float32)
-        y = scaled_mm_2d(a, b, scale_inv_a, scale_inv_b, torch.float32, block_a, block_b, fast_accum=fast_accum)
-        return reference.fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_dtype, ep)
-    return fp8_gemm_triton(*operands, ep, fast_accum)
+def fp8_gemm_on_cuda(g: Fp8GemmArgs):
+    """`fp8fx::fp8_gemm` on CUDA: the kernel the graph chose."""
+    ep = Epilogue.parse(g.epilogue)
+    if g.gpu_kernel in ("scaled_mm", "nvfp4"):  # cuBLASLt's (NVFP4: the FP4 kernel's) GEMM, then the epilogue as torch ops
+        if ep == NO_EPILOGUE and g.out_dtype not in FP8_DTYPES:  # cuBLAS writes the output: no fp32 product to convert
+            out = scaled_mm_2d(g.a, g.b, g.scale_inv_a, g.scale_inv_b, g.out_dtype, g.block_a, g.block_b, fast_accum=g.fast_accum)
+            return out, out.new_empty(0, dtype=g.aux_dtype), out.new_empty(0, dtype=torch.float32)
+        y = scaled_mm_2d(g.a, g.b, g.scale_inv_a, g.scale_inv_b, torch.float32, g.block_a, g.block_b, fast_accum=g.fast_accum)
+        return reference.fp8_gemm_epilogue_after(y, g.bias, g.other, g.residual, g.out_scale, g.out_dtype, g.aux_dtype, ep)
+    return fp8_gemm_triton(g, ep)
 
 
-def fp8_gemm_cpu(*args, gpu_kernel: str, fast_accum: bool):
+def fp8_gemm_cuda(*args, **kwargs):
+    """The op's CUDA kernel: `fp8_gemm_on_cuda` on its call's arguments."""
+    return fp8_gemm_on_cuda(Fp8GemmArgs.bind(args, kwargs))
+
+
+def fp8_gemm_cpu(*args, **kwargs):
     """`fp8fx::fp8_gemm` on CPU tensors: a "triton" or "nvfp4" GEMM under Triton's interpreter runs
     the generated kernel as a GPU would; everything else the exact emulation."""
-    if gpu_kernel in ("triton", "nvfp4") and interpreter_active():
-        return fp8_gemm_cuda(*args, gpu_kernel=gpu_kernel, fast_accum=fast_accum)
-    return reference.fp8_gemm(*args, gpu_kernel, fast_accum)
+    g = Fp8GemmArgs.bind(args, kwargs)
+    if g.gpu_kernel in ("triton", "nvfp4") and interpreter_active():
+        return fp8_gemm_on_cuda(g)
+    return reference.fp8_gemm(g)
 
 
 def cast_cuda(x: Tensor, scale: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:

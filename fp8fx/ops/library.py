@@ -26,6 +26,7 @@ from fp8fx.core import grouped
 from fp8fx.core.epilogue import Epilogue
 from fp8fx.core.scaling import scale_shape
 from fp8fx.ops import reference
+from fp8fx.ops.args import Fp8GemmArgs
 
 # Inductor leaves a custom op that a pass inserted free to take its inputs in any layout; the GEMMs
 # need theirs as their fake values say (a right operand column-major: K-contiguous), or their
@@ -90,10 +91,9 @@ def fp8_gemm(
     gpu_kernel: str,
     fast_accum: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """`reference.fp8_gemm`. How a GPU runs it is keyword-only: `gpu_kernel` (the reference's `kernel`) and
-    `fast_accum`; the CPU emulation is the same for every value."""
-    return reference.fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b,
-                              epilogue, gpu_kernel, fast_accum)  # fmt: skip
+    """`reference.fp8_gemm`. How a GPU runs it is keyword-only: `gpu_kernel` and `fast_accum`; the
+    CPU emulation is the same for every value. The parameters are `Fp8GemmArgs`'s fields."""
+    return reference.fp8_gemm(Fp8GemmArgs(**locals()))  # (only the parameters are defined yet)
 
 
 @amax.register_fake
@@ -123,14 +123,14 @@ def _(amax_history, scale, steps, non_finite, amax, fp8_max, margin, power_of_tw
 
 
 @fp8_gemm.register_fake
-def _(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue, *, gpu_kernel,
-      fast_accum):  # fmt: skip
-    reference.check_scaled_mm_args(a, b, scale_inv_a, scale_inv_b, block_a, block_b)
-    ep = Epilogue.parse(epilogue)
-    shape = (*a.shape[:-1], b.shape[-1])
-    aux = a.new_empty(shape if ep.aux != "none" else (0,), dtype=aux_dtype)
-    amax = a.new_empty(() if ep.out_amax else (0,), dtype=torch.float32)
-    return a.new_empty(shape, dtype=out_dtype), aux, amax
+def _(*args, **kwargs):
+    g = Fp8GemmArgs.bind(args, kwargs)
+    reference.check_scaled_mm_args(g.a, g.b, g.scale_inv_a, g.scale_inv_b, g.block_a, g.block_b)
+    ep = Epilogue.parse(g.epilogue)
+    shape = (*g.a.shape[:-1], g.b.shape[-1])
+    aux = g.a.new_empty(shape if ep.aux != "none" else (0,), dtype=g.aux_dtype)
+    amax = g.a.new_empty(() if ep.out_amax else (0,), dtype=torch.float32)
+    return g.a.new_empty(shape, dtype=g.out_dtype), aux, amax
 
 
 @grouped_amax.register_fake

@@ -19,6 +19,7 @@ from fp8fx.core import grouped, scaling
 from fp8fx.core.epilogue import ACTIVATIONS, Epilogue
 from fp8fx.core.formats import fp8_format_of, saturating_cast, upcast
 from fp8fx.core.scaling import block_dims, scale_shape
+from fp8fx.ops.args import Fp8GemmArgs
 
 
 def check_block(block: list[int], what: str) -> None:
@@ -161,40 +162,24 @@ def delayed_scale_update(
     return new_history, new_scale, steps + 1, non_finite + (~torch.isfinite(amax)).to(non_finite.dtype)
 
 
-def fp8_gemm(
-    a: Tensor,
-    b: Tensor,
-    scale_inv_a: Tensor,
-    scale_inv_b: Tensor,
-    bias: Tensor | None,
-    other: Tensor | None,
-    residual: Tensor | None,
-    out_scale: Tensor | None,
-    out_dtype: torch.dtype,
-    aux_dtype: torch.dtype,
-    block_a: list[int],
-    block_b: list[int],
-    epilogue: str,
-    kernel: str,
-    fast_accum: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """FP8 GEMM with a fused epilogue (see `fp8fx.codegen.triton_kernels` for the order).
+def fp8_gemm(g: Fp8GemmArgs) -> tuple[Tensor, Tensor, Tensor]:
+    """FP8 GEMM with a fused epilogue (see `fp8fx.codegen.triton_kernels` for the order), on the
+    arguments of `fp8fx::fp8_gemm`.
 
     `epilogue` is an `Epilogue.spec()` string. Everything after the GEMM runs in fp32 and is rounded
     once, to `out_dtype` (FP8: saturating cast of `y * out_scale`). Returns (out, aux, amax); aux
-    and amax are empty tensors when the epilogue does not make them. `kernel` names what runs on a
+    and amax are empty tensors when the epilogue does not make them. `gpu_kernel` names what runs on a
     GPU ("triton": the generated kernel, "scaled_mm"; see `fp8fx.ops.cuda`): the emulation is the
     same for both. The CPU accumulates in fp32 whatever `fast_accum` (Hopper's reduced-precision
     FP8 accumulator) says."""
-    return emulated_fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b,
-                             epilogue, upcast)  # fmt: skip
+    return emulated_fp8_gemm(g, upcast)
 
 
-def emulated_fp8_gemm(a, b, scale_inv_a, scale_inv_b, bias, other, residual, out_scale, out_dtype, aux_dtype, block_a, block_b, epilogue,
-                      to_fp32) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def emulated_fp8_gemm(g: Fp8GemmArgs, to_fp32) -> tuple[Tensor, Tensor, Tensor]:
     """`fp8_gemm` with the operands taken to fp32 by `to_fp32` (see `emulated_mm`)."""
-    y = emulated_mm(a, b, scale_inv_a, scale_inv_b, None, torch.float32, block_a, block_b, to_fp32)
-    return fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_dtype, Epilogue.parse(epilogue))
+    y = emulated_mm(g.a, g.b, g.scale_inv_a, g.scale_inv_b, None, torch.float32, g.block_a, g.block_b, to_fp32)
+    ep = Epilogue.parse(g.epilogue)
+    return fp8_gemm_epilogue_after(y, g.bias, g.other, g.residual, g.out_scale, g.out_dtype, g.aux_dtype, ep)
 
 
 def fp8_gemm_epilogue_after(y, bias, other, residual, out_scale, out_dtype, aux_dtype, ep) -> tuple[Tensor, Tensor, Tensor]:

@@ -24,8 +24,11 @@ from fp8fx.codegen.dispatch import choose_kernel, epilogue_to_inductor
 from fp8fx.codegen.variants import GemmVariant
 from fp8fx.core.epilogue import PLAIN, Epilogue, activation_of
 from fp8fx.core.formats import Fp8Format
+from fp8fx.ops.args import Fp8GemmArgs, ScaledMmArgs, gemm_args
 from fp8fx.passes.annotation import Fusion, annotate, annotation, update_fusion
-from fp8fx.passes.graph_utils import DTYPE_CASTS, PassContext, PassResult, add_node, fake_mode_of, k_contiguous, strip_layout
+from fp8fx.passes.graph_utils import (
+    DTYPE_CASTS, PassContext, PassResult, add_node, fake_mode_of, k_contiguous, op_args, strip_layout
+)
 
 aten = torch.ops.aten
 fp8fx_ops = torch.ops.fp8fx
@@ -159,7 +162,7 @@ class _Fuser:
 
     def plan(self, gemm: fx.Node, steps: list):
         """(epilogue, inputs, final node, aux node, amax users, absorbed nodes) for `steps`, or None."""
-        bias = gemm.args[4]
+        bias = ScaledMmArgs.of(gemm).bias
         ep = Epilogue(bias=bias is not None)
         inputs = dict(bias=bias, other=None, residual=None)
         has_bias_step = any(kind == "bias" for kind, _, _ in steps)
@@ -211,14 +214,15 @@ class _Fuser:
             # kept wide (the lm_head's logits widened for the loss: saved in fp32, twice BF16's bytes).
             self.why = f"{final.name} ({final.target}) left to its consumer: it widens the result, which Inductor does as it reads it"
             return None
-        amax_users = [u for u in final.users if u.target == fp8fx_ops.amax.default and list(u.args[1]) == []]
+        amax_users = [u for u in final.users if u.target == fp8fx_ops.amax.default and list(op_args(u)["block"]) == []]
         if amax_users:
             ep = replace(ep, out_amax=True)
         # The result's only use is a tensorwise FP8 cast with a scale known before the GEMM
         # (delayed scaling: read from state) and its amax: the kernel writes FP8 directly.
         casts = [
             u for u in final.users
-            if u.target == fp8fx_ops.cast.default and list(u.args[3]) == [] and u.args[1].target == fp8fx_ops.delayed_scale.default
+            if u.target == fp8fx_ops.cast.default and list(op_args(u)["block"]) == []
+            and op_args(u)["scale"].target == fp8fx_ops.delayed_scale.default
         ]  # fmt: skip
         inputs["fp8_cast"] = casts[0] if len(casts) == 1 and set(final.users) == {*casts, *amax_users} else None
         return ep, inputs, final, aux_node, amax_users, absorbed
@@ -249,7 +253,7 @@ class _Fuser:
 
     def place(self, gemm, ep: Epilogue, inputs, final, aux_node, amax_users, absorbed) -> fx.Node | None:
         """The fused node replacing `gemm` and its epilogue, or None when it cannot be placed."""
-        a, b, sa, sb, _bias, _out_dtype, block_a, block_b, fast_accum = gemm.args
+        g = ScaledMmArgs.of(gemm)
         m, n = _shape(gemm)
         consumers = [u for u in final.users] + ([u for u in aux_node.users if u not in absorbed] if aux_node is not None else [])
         at = min(consumers, key=self.order.__getitem__) if consumers else final.next
@@ -274,9 +278,10 @@ class _Fuser:
         fp8_cast = inputs["fp8_cast"]
         out_val = (fp8_cast or final).meta["val"]
         aux_dtype = aux_node.meta["val"].dtype if aux_node is not None else final.meta["val"].dtype
-        out_scale = fp8_cast.args[1] if fp8_cast is not None else None
-        variant = GemmVariant(a.meta["val"].dtype, b.meta["val"].dtype, tuple(block_a), tuple(block_b), ep, out_val.dtype, aux_dtype, fast_accum)
-        k = a.meta["val"].shape[-1]
+        out_scale = op_args(fp8_cast)["scale"] if fp8_cast is not None else None
+        a, b = g.a.meta["val"], g.b.meta["val"]
+        variant = GemmVariant(a.dtype, b.dtype, tuple(g.block_a), tuple(g.block_b), ep, out_val.dtype, aux_dtype, g.fast_accum)
+        k = a.shape[-1]
         shape = tuple(d if isinstance(d, int) else None for d in (m, n, k))
         if self.inductor and not _nvfp4(gemm):
             self.why = epilogue_to_inductor(self.kernels, variant, shape, out_val.device)
@@ -291,9 +296,25 @@ class _Fuser:
             for key in ("other", "residual"):
                 t = inputs[key]
                 flat[key] = t if t is None or _same_shape(t, (m, n)) else self.add(aten.view.default, (t, [-1, n]), tag_from=gemm)
-            args = (a, b, sa, sb, inputs["bias"], flat["other"], flat["residual"], out_scale, out_val.dtype, aux_dtype,
-                    list(block_a), list(block_b), ep.spec())  # fmt: skip
-            fused = self.add(fp8fx_ops.fp8_gemm.default, args, tag_from=gemm, kwargs={"gpu_kernel": kernel, "fast_accum": fast_accum})
+            fused_args = Fp8GemmArgs(
+                g.a,
+                g.b,
+                g.scale_inv_a,
+                g.scale_inv_b,
+                bias=inputs["bias"],
+                other=flat["other"],
+                residual=flat["residual"],
+                out_scale=out_scale,
+                out_dtype=out_val.dtype,
+                aux_dtype=aux_dtype,
+                block_a=list(g.block_a),
+                block_b=list(g.block_b),
+                epilogue=ep.spec(),
+                gpu_kernel=kernel,
+                fast_accum=g.fast_accum,
+            )
+            args, kwargs = fused_args.call_args()
+            fused = self.add(Fp8GemmArgs.op(), args, tag_from=gemm, kwargs=kwargs)
             outs = [self.add(operator.getitem, (fused, i), tag_from=gemm) for i in range(3)]
             out = outs[0] if _same_shape(final, (m, n)) else self.add(_reshape_like(final), (outs[0], sizes[final]), tag_from=gemm)
             aux = None
@@ -324,7 +345,7 @@ class _Fuser:
     def place_bare(self, gemm: fx.Node, stop: str) -> None:
         """`gemm` alone as an `fp8_gemm` node, its epilogue, amax and FP8 cast left in the graph; a
         bias the GEMM carries becomes an add after it (of the output's dtype: else it stays in)."""
-        bias = gemm.args[4]
+        bias = ScaledMmArgs.of(gemm).bias
         split_bias = bias is not None and bias.meta["val"].dtype == gemm.meta["val"].dtype
         inputs = dict(bias=None if split_bias else bias, other=None, residual=None, fp8_cast=None)
         fused = self.place(gemm, replace(PLAIN, bias=not split_bias and bias is not None), inputs, gemm, None, [], [])
@@ -352,7 +373,7 @@ def _count_memory_passes(graph: fx.Graph) -> None:
     # Forward GEMMs first: a fused node may sit late in the joint graph, but it runs in forward.
     for node in sorted(gemms, key=lambda n: annotation(n).role != "output"):
         added = copies = 0
-        for i, operand in enumerate(node.args[:2]):
+        for i, operand in enumerate(gemm_args(node).operands):
             cast, _ = strip_layout(operand)
             if cast.target in (fp8fx_ops.cast.default, fp8fx_ops.cast_nvfp4.default) and cast not in charged:
                 charged.add(cast)
@@ -368,11 +389,11 @@ def _count_memory_passes(graph: fx.Graph) -> None:
 
 def _amax_of(cast: fx.Node) -> fx.Node | None:
     """The amax node the cast's scale was computed from (None for a scale read from state)."""
-    scale = cast.args[1]
+    scale = op_args(cast)["scale"]
     if isinstance(scale, fx.Node) and scale.target == fp8fx_ops.amax_to_scale.default:
-        return scale.args[0]
+        return op_args(scale)["amax"]
     if isinstance(scale, fx.Node) and scale.target == operator.getitem and scale.args[0].target == fp8fx_ops.nvfp4_scale.default:
-        return scale.args[0].args[0]  # NVFP4: (scale, scale_inv) from the block amaxes
+        return op_args(scale.args[0])["block_amax"]  # NVFP4: (scale, scale_inv) from the block amaxes
     return None
 
 

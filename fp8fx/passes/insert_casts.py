@@ -30,6 +30,7 @@ from fp8fx.core import grouped
 from fp8fx.core.formats import Fp8Format
 from fp8fx.core.grouped import OperandScales
 from fp8fx.core.recipes import AmaxComputeAlgo, Precision, ScaleRounding
+from fp8fx.ops.args import GroupedMmArgs, ScaledMmArgs
 from fp8fx.passes.annotation import META_KEY, DelayedSpec, Fusion, ReasonKind, annotate, annotation, node_annotations, state_key
 from fp8fx.passes.find_matmuls import fused_backward, group_offsets, matmul_operands, parameter_derived
 from fp8fx.passes.graph_utils import (
@@ -255,9 +256,19 @@ class _Inserter:
             else:
                 quantized.append(self.operand(x, spec, gemm, state_key(ann.site, ann.role, d.operand_roles[side])))
         (a, qa), (b, qb) = quantized
-        args = (a, b, qa.scale_inv, qb.scale_inv, offs, out_dtype, list(d.blocks[0]), list(d.blocks[1]), d.fast_accum)
+        args, kwargs = GroupedMmArgs(
+            a,
+            b,
+            qa.scale_inv,
+            qb.scale_inv,
+            offs=offs,
+            out_dtype=out_dtype,
+            block_a=list(d.blocks[0]),
+            block_b=list(d.blocks[1]),
+            fast_accum=d.fast_accum,
+        ).call_args()
         with self.graph.inserting_before(gemm):
-            new = self.add(fp8fx_ops.fp8_grouped_mm.default, args, tag_from=gemm)
+            new = self.add(GroupedMmArgs.op(), args, kwargs, tag_from=gemm)
         for key in _CARRIED_META:
             if key in gemm.meta:
                 new.meta[key] = gemm.meta[key]
@@ -318,19 +329,19 @@ class _Inserter:
         keys = [state_key(ann.site, ann.role, operand_role) for operand_role in d.operand_roles]
         a, qa = self.operand(left, specs[0], gemm, keys[0])
         b, qb = self.operand(right, specs[1], gemm, keys[1])
-        args = (
+        args, kwargs = ScaledMmArgs(
             a,
             b,
             qa.scale_inv,
             qb.scale_inv,
-            bias,
-            gemm.meta["val"].dtype,
-            list(d.blocks[0]),
-            list(d.blocks[1]),
-            d.fast_accum,
-        )
+            bias=bias,
+            out_dtype=gemm.meta["val"].dtype,
+            block_a=list(d.blocks[0]),
+            block_b=list(d.blocks[1]),
+            fast_accum=d.fast_accum,
+        ).call_args()
         with self.graph.inserting_before(gemm):
-            new = self.add(fp8fx_ops.scaled_mm.default, args, tag_from=gemm)
+            new = self.add(ScaledMmArgs.op(), args, kwargs, tag_from=gemm)
         for key in _CARRIED_META:
             if key in gemm.meta:
                 new.meta[key] = gemm.meta[key]

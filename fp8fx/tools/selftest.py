@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from fp8fx.codegen.variants import GemmVariant
 from fp8fx.core.epilogue import Epilogue
+from fp8fx.ops.args import Fp8GemmArgs
 from fp8fx.passes.annotation import annotation
 from fp8fx.runtime import numerics
 from fp8fx.runtime.numerics import EXACT_DB
@@ -217,13 +218,14 @@ def collect_variants(recipes=RECIPES, dims: ModelDims = COLLECT_DIMS, dtype: tor
 
 
 def _extra_dtypes(node) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
-    """The graph's dtypes of bias, other, residual (args 4-6 of fp8fx::fp8_gemm); BF16 if absent."""
+    """The graph's dtypes of the fp8fx::fp8_gemm node's bias, other, residual; BF16 if absent."""
 
     def dtype_of(arg) -> torch.dtype:
         val = getattr(arg, "meta", {}).get("val") if arg is not None else None
         return val.dtype if isinstance(val, Tensor) else torch.bfloat16
 
-    return dtype_of(node.args[4]), dtype_of(node.args[5]), dtype_of(node.args[6])
+    g = Fp8GemmArgs.of(node)
+    return dtype_of(g.bias), dtype_of(g.other), dtype_of(g.residual)
 
 
 def _weight(use: VariantUse) -> tuple:
@@ -330,27 +332,33 @@ def run_generated(use: VariantUse, t: dict) -> Outputs:
 def run_scaled_mm(use: VariantUse, t: dict) -> Outputs:
     """`torch._scaled_mm` (scaled_mm_2d) to fp32, then the epilogue as torch ops: exactly what
     `fp8fx.ops.cuda` runs for kernel "scaled_mm"."""
-    from fp8fx.ops.cuda import fp8_gemm_cuda
+    from fp8fx.ops.cuda import fp8_gemm_on_cuda
 
-    v = use.variant
-    out, aux, amax = fp8_gemm_cuda(
-        t["a"], t["b"], t["scale_inv_a"], t["scale_inv_b"], t["bias"], t["other"], t["residual"], t["out_scale"], v.out_dtype, v.aux_dtype,
-        list(v.block_a), list(v.block_b), v.epilogue.spec(), gpu_kernel="scaled_mm", fast_accum=v.fast_accum,
-    )  # fmt: skip
-    return _present(use, out, aux, amax)
+    return _present(use, *fp8_gemm_on_cuda(_gemm_args(use, t, "scaled_mm")))
 
 
 def run_reference(use: VariantUse, t: dict) -> Outputs:
     """fp8fx's exact emulation (CPU tensors): fp32 products of the FP8 values, fp32 accumulation."""
     from fp8fx.ops import reference
 
-    v = use.variant
     # kernel "scaled_mm": the emulation itself, never the interpreter (even in the child process)
-    out, aux, amax = reference.fp8_gemm(
-        t["a"], t["b"], t["scale_inv_a"], t["scale_inv_b"], t["bias"], t["other"], t["residual"], t["out_scale"], v.out_dtype, v.aux_dtype,
-        list(v.block_a), list(v.block_b), v.epilogue.spec(), "scaled_mm", v.fast_accum,
-    )  # fmt: skip
-    return _present(use, out, aux, amax)
+    return _present(use, *reference.fp8_gemm(_gemm_args(use, t, "scaled_mm")))
+
+
+def _gemm_args(use: VariantUse, t: dict, gpu_kernel: str) -> Fp8GemmArgs:
+    """The `fp8fx::fp8_gemm` arguments of `use`'s variant on the tensors `t` (`make_inputs`)."""
+    v = use.variant
+    operands = {k: t[k] for k in ("a", "b", "scale_inv_a", "scale_inv_b", "bias", "other", "residual", "out_scale")}
+    return Fp8GemmArgs(
+        **operands,
+        out_dtype=v.out_dtype,
+        aux_dtype=v.aux_dtype,
+        block_a=list(v.block_a),
+        block_b=list(v.block_b),
+        epilogue=v.epilogue.spec(),
+        gpu_kernel=gpu_kernel,
+        fast_accum=v.fast_accum,
+    )
 
 
 RUNNERS = {"generated": run_generated, "scaled_mm": run_scaled_mm}
