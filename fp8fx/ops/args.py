@@ -13,8 +13,9 @@ On a graph the tensor fields hold the `fx.Node`s computing them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, NamedTuple, Self
 
 import torch
 from torch import Tensor, fx
@@ -22,27 +23,52 @@ from torch import Tensor, fx
 Operand = Tensor | fx.Node
 
 
-def bind(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """A call's arguments by `op`'s schema names, in schema order, with the schema's defaults for
-    those left out: what the call means, however it spells it."""
-    schema = op._schema.arguments
-    if len(args) > len(schema):
-        raise TypeError(f"{op}: {len(args)} positional arguments, the schema has {len(schema)}")
-    values = {arg.name: value for arg, value in zip(schema, args)}
-    for name, value in kwargs.items():
-        if name in values or name not in {arg.name for arg in schema}:
-            raise TypeError(f"{op}: unexpected or repeated argument {name!r}")
-        values[name] = value
-    for arg in schema:
-        if arg.name not in values:
-            if not arg.has_default_value():
-                raise TypeError(f"{op}: missing argument {arg.name!r}")
-            values[arg.name] = arg.default_value
-    return {arg.name: values[arg.name] for arg in schema}
+class _Arg(NamedTuple):
+    name: str
+    kwarg_only: bool
+    has_default: bool
+    default: Any
 
 
-def _is_default(arg, value) -> bool:
-    return arg.has_default_value() and type(value) is type(arg.default_value) and value == arg.default_value
+@functools.cache
+def schema_args(name: str) -> tuple[_Arg, ...]:
+    """The schema arguments of `torch.ops.fp8fx.<name>`, read once: implementations bind every call,
+    and reading the schema itself took most of the time a bind took."""
+    schema = getattr(torch.ops.fp8fx, name).default._schema
+    return tuple(
+        _Arg(a.name, a.kwarg_only, a.has_default_value(), a.default_value if a.has_default_value() else None)
+        for a in schema.arguments
+    )
+
+
+@functools.cache
+def _names(name: str) -> tuple[tuple[str, ...], frozenset[str]]:
+    names = tuple(arg.name for arg in schema_args(name))
+    return names, frozenset(names)
+
+
+def bind(name: str, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A call's arguments by the schema names of `torch.ops.fp8fx.<name>`, with the schema's
+    defaults for those left out: what the call means, however it spells it."""
+    names, known = _names(name)
+    if len(args) > len(names):
+        raise TypeError(f"fp8fx::{name}: {len(args)} positional arguments, the schema has {len(names)}")
+    values = dict(zip(names, args))
+    for key, value in kwargs.items():
+        if key in values or key not in known:
+            raise TypeError(f"fp8fx::{name}: unexpected or repeated argument {key!r}")
+        values[key] = value
+    if len(values) < len(names):
+        for arg in schema_args(name):
+            if arg.name not in values:
+                if not arg.has_default:
+                    raise TypeError(f"fp8fx::{name}: missing argument {arg.name!r}")
+                values[arg.name] = arg.default
+    return values
+
+
+def _is_default(arg: _Arg, value) -> bool:
+    return arg.has_default and type(value) is type(arg.default) and value == arg.default
 
 
 @dataclass(frozen=True)
@@ -59,7 +85,9 @@ class OpArgs:
 
     @classmethod
     def bind(cls, args: tuple, kwargs: dict | None = None) -> Self:
-        return cls(**bind(cls.op(), tuple(args), kwargs or {}))
+        record = object.__new__(cls)  # (every field bound: the checks and defaults of __init__ have nothing to do)
+        record.__dict__.update(bind(cls.OP, args, kwargs or {}))
+        return record
 
     @classmethod
     def of(cls, node: fx.Node) -> Self:
@@ -73,7 +101,7 @@ class OpArgs:
     def call_args(self) -> tuple[tuple, dict[str, Any]]:
         """(args, kwargs) as a call or a node of the op takes them: keyword-only arguments as keywords."""
         args, kwargs = [], {}
-        for arg in self.op()._schema.arguments:
+        for arg in schema_args(self.OP):
             if arg.kwarg_only:
                 kwargs[arg.name] = getattr(self, arg.name)
             else:
@@ -87,7 +115,7 @@ class OpArgs:
         if node.target is not self.op():
             raise ValueError(f"fp8fx: {node.format_node()} is no call of {self.op()}")
         args, kwargs = [], {}
-        for i, arg in enumerate(self.op()._schema.arguments):
+        for i, arg in enumerate(schema_args(self.OP)):
             value = getattr(self, arg.name)
             if i < len(node.args):
                 args.append(value)

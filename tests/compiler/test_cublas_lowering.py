@@ -16,6 +16,7 @@ import fp8fx
 from fp8fx.codegen import versions
 from fp8fx.compiler import lowering
 from fp8fx.ops import cuda, reference
+from fp8fx.ops.args import Fp8GemmArgs
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SEED = 20261127
@@ -42,7 +43,23 @@ def _case(rng: random.Random, g: torch.Generator):
     other = torch.randn(m, n, generator=g) if "mul" in epilogue or "gate" in epilogue else None
     residual = torch.randn(m, n, generator=g) if "residual" in epilogue else None
     out_scale = torch.tensor(0.5) if out_dtype == E4M3 else None
-    args = (a, b, sa, sb, bias, other, residual, out_scale, out_dtype, torch.bfloat16, block_a, block_b, epilogue)
+    args = Fp8GemmArgs(
+        a,
+        b,
+        sa,
+        sb,
+        bias=bias,
+        other=other,
+        residual=residual,
+        out_scale=out_scale,
+        out_dtype=out_dtype,
+        aux_dtype=torch.bfloat16,
+        block_a=block_a,
+        block_b=block_b,
+        epilogue=epilogue,
+        gpu_kernel="scaled_mm",
+        fast_accum=False,
+    )
     return f"{recipe} {m}x{n}x{k} {a_dtype}x{b_dtype} {block_a}x{block_b} {epilogue!r} -> {out_dtype}", args
 
 
@@ -54,10 +71,11 @@ def test_the_lowered_gemm_computes_what_the_op_runs_on_cublas():
     rng, g = random.Random(SEED), torch.Generator().manual_seed(SEED)
     for _ in range(40):
         what, args = _case(rng, g)
-        lowered = lowering._cublas_fp8_gemm(*args, gpu_kernel="scaled_mm", fast_accum=False)
+        lowered = lowering._cublas_fp8_gemm(args)
         assert lowered is not NotImplemented, what
-        on_cuda = cuda.fp8_gemm_cuda(*args, gpu_kernel="scaled_mm", fast_accum=False)
-        emulated = reference.fp8_gemm(*args, "scaled_mm", False)
+        positional, keywords = args.call_args()
+        on_cuda = cuda.fp8_gemm_cuda(*positional, **keywords)
+        emulated = reference.fp8_gemm(args)
         for name, low, cud, emu in zip(("out", "aux", "amax"), lowered, on_cuda, emulated):
             assert (low.shape, low.dtype) == (cud.shape, cud.dtype), f"{what}: {name}"
             assert torch.equal(low.float(), cud.float()), f"{what}: {name}"
@@ -76,8 +94,9 @@ def test_gemms_cublas_cannot_take_as_they_are_stay_ops(shape, blocks, gpu_kernel
     m, n, k = shape
     a, b = torch.zeros(m, k, dtype=E4M3), torch.zeros(n, k, dtype=E4M3).t()
     sa, sb = torch.ones(reference.scale_shape((m, k), blocks[0])), torch.ones(reference.scale_shape((k, n), blocks[1]))
-    args = (a, b, sa, sb, None, None, None, None, torch.bfloat16, torch.bfloat16, *blocks, "")
-    assert lowering._cublas_fp8_gemm(*args, gpu_kernel=gpu_kernel, fast_accum=False) is NotImplemented
+    rest = dict(out_dtype=torch.bfloat16, aux_dtype=torch.bfloat16, block_a=blocks[0], block_b=blocks[1])
+    args = Fp8GemmArgs(a, b, sa, sb, **rest, gpu_kernel=gpu_kernel)
+    assert lowering._cublas_fp8_gemm(args) is NotImplemented
 
 
 def _step(model, ids):

@@ -223,8 +223,23 @@ def test_compiled_cpu_gemms_equal_the_emulation(blocks, epilogue):
 
     def gemms(a, b, sa, sb, bias):
         mm = ops.scaled_mm(a, b, sa, sb, None, torch.float32, *blocks)
-        fused = ops.fp8_gemm(a, b, sa, sb, bias if epilogue else None, None, None, None, torch.bfloat16, torch.float32, *blocks, epilogue,
-                             gpu_kernel="triton", fast_accum=False)  # fmt: skip
+        fused = ops.fp8_gemm(  # by name, as Fp8GemmArgs spells them (Dynamo traces the op's call, not the record)
+            a,
+            b,
+            sa,
+            sb,
+            bias=bias if epilogue else None,
+            other=None,
+            residual=None,
+            out_scale=None,
+            out_dtype=torch.bfloat16,
+            aux_dtype=torch.float32,
+            block_a=blocks[0],
+            block_b=blocks[1],
+            epilogue=epilogue,
+            gpu_kernel="triton",
+            fast_accum=False,
+        )
         return mm, *fused
 
     args = (a, b, sa, sb, bias)

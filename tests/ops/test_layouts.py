@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fp8fx.codegen import versions
 from fp8fx.core import grouped
 from fp8fx.ops import cuda, reference
+from fp8fx.ops.args import Fp8GemmArgs
 
 ops = torch.ops.fp8fx
 EPILOGUES = ["", "bias", "bias,act=gelu,aux=pre_activation,amax", "residual", "mul=by_other,aux=pre_activation"]
@@ -84,12 +85,26 @@ def test_fp8_gemm(name, blocks, mnk, la, lb, epilogue):
     bias = torch.randn(n) if "bias" in spec else None
     other = laid_out(torch.randn(m, n), la) if "mul" in spec else None
     residual = laid_out(torch.randn(m, n), lb) if "residual" in spec else None
-    args = (a, b, sa, sb, bias, other, residual, None, torch.bfloat16, torch.bfloat16, *blocks, epilogue)
+    gemm = Fp8GemmArgs(
+        a,
+        b,
+        sa,
+        sb,
+        bias=bias,
+        other=other,
+        residual=residual,
+        out_dtype=torch.bfloat16,
+        aux_dtype=torch.bfloat16,
+        block_a=blocks[0],
+        block_b=blocks[1],
+        epilogue=epilogue,
+        gpu_kernel="scaled_mm",
+    )
     for kernel in ("scaled_mm", "triton"):
-        kwargs = dict(gpu_kernel=kernel, fast_accum=False)
+        args, kwargs = gemm.replace(gpu_kernel=kernel).call_args()
         check_layout(ops.fp8_gemm, ops.fp8_gemm, args, kwargs, what=f"{name} {epilogue} {kernel}")
     if scaled_mm_runs_on_cpu(blocks):
-        kwargs = dict(gpu_kernel="scaled_mm", fast_accum=False)
+        args, kwargs = gemm.call_args()
         check_layout(ops.fp8_gemm, cuda.fp8_gemm_cuda, args, kwargs, what=f"{name} {epilogue} (CUDA implementation)")
 
 
@@ -156,9 +171,22 @@ def test_fp8_gemm_scaled_mm_branch_matches_its_fake(recipe, epilogue, out_dtype)
     sa = torch.ones(reference.scale_shape((m, k), block_a), device="meta")
     sb = torch.ones(reference.scale_shape((k, n), block_b), device="meta")
     residual = torch.empty(m, n, dtype=torch.bfloat16, device="meta") if epilogue else None
-    args = (a, b, sa, sb, None, None, residual, None, out_dtype, torch.bfloat16, block_a, block_b, epilogue)
-    outs = cuda.fp8_gemm_cuda(*args, gpu_kernel="scaled_mm", fast_accum=False)
+    gemm = Fp8GemmArgs(
+        a,
+        b,
+        sa,
+        sb,
+        residual=residual,
+        out_dtype=out_dtype,
+        aux_dtype=torch.bfloat16,
+        block_a=block_a,
+        block_b=block_b,
+        epilogue=epilogue,
+        gpu_kernel="scaled_mm",
+    )
+    outs = cuda.fp8_gemm_on_cuda(gemm)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fakes = ops.fp8_gemm(*(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in args), gpu_kernel="scaled_mm", fast_accum=False)
+        fake_args = {k: mode.from_tensor(x) for k, x in vars(gemm).items() if isinstance(x, torch.Tensor)}
+        fakes = gemm.replace(**fake_args)()
     for out, fake in zip(outs, fakes):
         assert (out.shape, out.stride(), out.dtype) == (fake.shape, fake.stride(), fake.dtype)

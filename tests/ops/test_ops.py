@@ -3,6 +3,7 @@ GEMMs against an independent reference (dequantize, then an fp64 GEMM)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from fp8fx import ops
 from fp8fx.codegen import versions
 from fp8fx.core.formats import FormatRecipe, Fp8Format, saturating_cast
+from fp8fx.ops.args import GEMM_ARGS, Fp8GemmArgs, ScaledMmArgs, gemm_args
 from fp8fx.ops.cuda import scaled_mm_2d, scaled_mm_cuda
 
 E4M3, E5M2 = Fp8Format.E4M3, Fp8Format.E5M2
@@ -212,3 +214,33 @@ def test_scales_stay_finite_and_normal_for_any_amax_and_margin():
             scale = amax_to_scale(amax, 448.0, margin, p2)
             assert torch.isfinite(scale).all() and torch.isfinite(scale.reciprocal()).all()
             assert (scale >= torch.finfo(torch.float32).tiny).all()
+
+
+@pytest.mark.parametrize("record", GEMM_ARGS, ids=lambda r: r.OP)
+def test_gemm_arg_records_match_the_registered_schemas(record):
+    """Each record's fields are its op's schema arguments, by name, in order and keyword-only alike:
+    a schema change fails here rather than misread the arguments of graph nodes."""
+    schema = record.op()._schema.arguments
+    fields = dataclasses.fields(record)
+    assert [f.name for f in fields] == [a.name for a in schema]
+    # A positional schema argument may be a keyword-only field (built by name); never the reverse.
+    assert all(f.kw_only for f, a in zip(fields, schema) if a.kwarg_only)
+
+
+def test_gemm_args_read_and_write_nodes_by_name():
+    """A node's arguments read alike whether given by position or keyword, or left to the schema's
+    default; writing a changed record back keeps the node's spelling and changes only that value."""
+    graph = torch.fx.Graph()
+    a, b, sa, sb = (graph.placeholder(name) for name in ("a", "b", "sa", "sb"))
+    mm = graph.call_function(torch.ops.fp8fx.scaled_mm.default, (a, b, sa, sb, None, torch.bfloat16), {"block_a": [], "block_b": [1]})
+    args = ScaledMmArgs.of(mm)
+    assert (args.a, args.scale_inv_b, args.out_dtype, args.block_b, args.fast_accum) == (a, sb, torch.bfloat16, [1], False)
+    assert gemm_args(mm) == args and args.operands == (a, b)
+    args.with_operand(1, a).write(mm)
+    assert mm.args == (a, a, sa, sb, None, torch.bfloat16) and mm.kwargs == {"block_a": [], "block_b": [1]}
+    built, kwargs = Fp8GemmArgs(a, b, sa, sb, out_dtype=torch.float32, aux_dtype=torch.float32, gpu_kernel="triton").call_args()
+    assert len(built) == 13 and built[12] == "" and kwargs == {"gpu_kernel": "triton", "fast_accum": False}
+    with pytest.raises(ValueError, match="no call of"):
+        Fp8GemmArgs.of(mm)
+    with pytest.raises(TypeError, match="missing argument 'out_dtype'"):
+        ScaledMmArgs.bind((a, b, sa, sb, None))

@@ -12,6 +12,7 @@ from torch import nn
 import fp8fx
 from fp8fx.codegen import dispatch
 from fp8fx.compiler.lowering import LOWERED_FROM
+from fp8fx.ops.args import Fp8GemmArgs
 
 aten = torch.ops.aten
 ELEMENTWISE = (aten.gelu.default, aten.silu.default, aten.relu.default, aten.mul.Tensor, aten.add.Tensor)
@@ -39,7 +40,7 @@ def test_inference_graph_has_one_fused_gemm_per_matmul_and_no_leftover_elementwi
     # x and the four weights need an amax pass; the GELU output's and the gated product's amax
     # come from the epilogues of the GEMMs that make them.
     assert count(g, torch.ops.fp8fx.amax.default) == 5 and count(g, torch.ops.fp8fx.cast.default) == 7
-    specs = sorted(n.args[12] for n in g.graph.nodes if n.target == FP8_GEMM)
+    specs = sorted(Fp8GemmArgs.of(n).epilogue for n in g.graph.nodes if n.target == FP8_GEMM)
     assert specs == ["", "act=silu,mul,amax", "bias,act=gelu,amax", "residual"]
     assert sqnr(out, ref) >= OUTPUT_SQNR_DB
 
@@ -149,7 +150,8 @@ def test_delayed_scaling_consumer_gets_fp8_straight_from_the_epilogue():
         if fuse:
             fw = graphs(backend, "forward")[-1]
             first = next(n for n in fw.graph.nodes if n.target == FP8_GEMM)
-            assert first.meta["val"][0].dtype == torch.float8_e4m3fn and first.args[7] is not None  # FP8 out, its scale
+            first_args = Fp8GemmArgs.of(first)
+            assert first.meta["val"][0].dtype == torch.float8_e4m3fn and first_args.out_scale is not None  # FP8 out, its scale
             assert count(fw, torch.ops.fp8fx.cast.default) == 3  # x and the two weights; not the GELU output
         torch._dynamo.reset()
     for fused, unfused in zip(results[True], results[False]):
@@ -228,7 +230,7 @@ def test_under_inductor_auto_leaves_epilogues_to_inductor(kernels, training, mon
     def recording(gm, ctx, passes):
         gm = run_passes(gm, ctx, passes)
         found = [n for n in gm.graph.nodes if n.target == torch.ops.fp8fx.fp8_gemm.default]
-        gemms.append([(g.args[4], [u.target for out in g.users for u in out.users]) for g in found])
+        gemms.append([(Fp8GemmArgs.of(g).bias, [u.target for out in g.users for u in out.users]) for g in found])
         assert not [n for n in gm.graph.nodes if n.op == "call_function" and not n.users and not n.is_impure()]  # nothing dead
         return gm
 
@@ -268,7 +270,7 @@ def test_a_widening_cast_after_a_kept_value_is_left_to_the_consumer(n_out):
     (op,) = [op for op in fp8fx.report(backend).ops if op.role == "output"]
     assert "aux" not in op.epilogue and "only widens" in op.fusion
     (gemm,) = [n for n in graphs(backend, "forward")[0].graph.nodes if n.target == FP8_GEMM]
-    assert gemm.args[8] == torch.bfloat16 and logits.dtype == torch.bfloat16
+    assert Fp8GemmArgs.of(gemm).out_dtype == torch.bfloat16 and logits.dtype == torch.bfloat16
     assert torch.isfinite(h.grad).all() and torch.isfinite(proj.weight.grad).all()
 
 

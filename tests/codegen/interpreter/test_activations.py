@@ -12,6 +12,7 @@ from test_kernels import E4M3, close_as, fp8_operand
 from fp8fx.codegen import launch
 from fp8fx.core.epilogue import ACTIVATIONS, Epilogue
 from fp8fx.ops import reference
+from fp8fx.ops.args import Fp8GemmArgs
 
 pytestmark = pytest.mark.skipif(not launch.interpreter_active(), reason="needs TRITON_INTERPRET=1 before import")
 
@@ -31,9 +32,10 @@ def test_every_activation_runs_in_the_kernel_and_the_reference(name, where):
         expected = ACTIVATIONS[name].reference(other.clone()) * y
     if name != "none":  # values on both sides of zero: the activation changes them
         assert not torch.allclose(expected, y if where == "activation" else other * y)
-    ref, _, _ = reference.fp8_gemm(
-        a, b, sa, sb, None, other, None, None, torch.float32, torch.float32, [], [], ep.spec(), "scaled_mm", False
+    gemm = Fp8GemmArgs(
+        a, b, sa, sb, other=other, out_dtype=torch.float32, aux_dtype=torch.float32, epilogue=ep.spec(), gpu_kernel="scaled_mm"
     )
+    ref, _, _ = reference.fp8_gemm(gemm)
     torch.testing.assert_close(ref, expected, rtol=0, atol=0)
     for family in ("pointer", "tma"):
         got, _, _ = launch.fp8_gemm(a, b, sa, sb, epilogue=ep, other=other, out_dtype=torch.float32, family=family)

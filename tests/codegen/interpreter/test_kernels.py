@@ -17,6 +17,7 @@ from fp8fx.codegen import launch
 from fp8fx.core.epilogue import Epilogue
 from fp8fx.core.scaling import amax_to_scale, block_amax
 from fp8fx.ops import reference
+from fp8fx.ops.args import Fp8GemmArgs
 
 pytestmark = pytest.mark.skipif(not launch.interpreter_active(), reason="needs TRITON_INTERPRET=1 before import")
 
@@ -140,7 +141,23 @@ def run_both(blocks, epilogue, out_dtype, shape, formats, fast_accum, seed, fami
         out_scale=out_scale, out_dtype=out_dtype, aux_dtype=torch.float32, fast_accum=fast_accum, family=family,
     )  # fmt: skip
     ref = reference.fp8_gemm(
-        a, b, sa, sb, bias, other, residual, out_scale, out_dtype, torch.float32, list(block_a), list(block_b), epilogue.spec(), "scaled_mm", fast_accum
+        Fp8GemmArgs(
+            a,
+            b,
+            sa,
+            sb,
+            bias=bias,
+            other=other,
+            residual=residual,
+            out_scale=out_scale,
+            out_dtype=out_dtype,
+            aux_dtype=torch.float32,
+            block_a=list(block_a),
+            block_b=list(block_b),
+            epilogue=epilogue.spec(),
+            gpu_kernel="scaled_mm",
+            fast_accum=fast_accum,
+        )
     )
     return got, ref
 

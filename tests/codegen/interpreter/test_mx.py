@@ -18,6 +18,7 @@ from fp8fx.codegen.variants import GemmVariant
 from fp8fx.core.epilogue import Epilogue
 from fp8fx.core.scaling import amax_to_scale, block_amax
 from fp8fx.ops import reference
+from fp8fx.ops.args import Fp8GemmArgs
 
 pytestmark = pytest.mark.skipif(not launch.interpreter_active(), reason="needs TRITON_INTERPRET=1 before import")
 
@@ -67,21 +68,23 @@ def test_mx_gemm_on_block_scaled_mma_matches_emulation(shape, formats, epilogue,
         out_scale=out_scale, out_dtype=out_dtype, aux_dtype=torch.float32,
     )  # fmt: skip
     ref, ref_aux, ref_amax = reference.fp8_gemm(
-        a,
-        b,
-        sa,
-        sb,
-        bias,
-        other,
-        residual,
-        out_scale,
-        out_dtype,
-        torch.float32,
-        list(MX_A),
-        list(MX_B),
-        epilogue.spec(),
-        "scaled_mm",
-        False,
+        Fp8GemmArgs(
+            a,
+            b,
+            sa,
+            sb,
+            bias=bias,
+            other=other,
+            residual=residual,
+            out_scale=out_scale,
+            out_dtype=out_dtype,
+            aux_dtype=torch.float32,
+            block_a=list(MX_A),
+            block_b=list(MX_B),
+            epilogue=epilogue.spec(),
+            gpu_kernel="scaled_mm",
+            fast_accum=False,
+        )
     )
     close_as(out, ref)
     if aux is not None:

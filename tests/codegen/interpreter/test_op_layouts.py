@@ -16,6 +16,7 @@ from layouts import GEMM_CASES, LAYOUTS, cast_cases, check_layout, gemm_operands
 from fp8fx.codegen import launch
 from fp8fx.core import grouped
 from fp8fx.ops import cuda, reference
+from fp8fx.ops.args import Fp8GemmArgs
 
 pytestmark = pytest.mark.skipif(not launch.interpreter_active(), reason="needs TRITON_INTERPRET=1 before import")
 ops = torch.ops.fp8fx
@@ -41,8 +42,20 @@ def test_cast_kernel(name, args):
 def test_gemm_kernel(blocks, mnk, layouts, epilogue):
     a, b, sa, sb = gemm_operands(blocks, mnk, *layouts)
     bias = torch.randn(mnk[1]) if epilogue else None
-    args = (a, b, sa, sb, bias, None, None, None, torch.bfloat16, torch.bfloat16, *blocks, epilogue)
-    check_layout(ops.fp8_gemm, cuda.fp8_gemm_cuda, args, dict(gpu_kernel="triton", fast_accum=False), what=f"{blocks} {layouts} {epilogue}")
+    gemm = Fp8GemmArgs(
+        a,
+        b,
+        sa,
+        sb,
+        bias=bias,
+        out_dtype=torch.bfloat16,
+        aux_dtype=torch.bfloat16,
+        block_a=blocks[0],
+        block_b=blocks[1],
+        epilogue=epilogue,
+        gpu_kernel="triton",
+    )
+    check_layout(ops.fp8_gemm, cuda.fp8_gemm_cuda, *gemm.call_args(), what=f"{blocks} {layouts} {epilogue}")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -17,6 +17,7 @@ from torch import nn
 import fp8fx
 from fp8fx.codegen import launch
 from fp8fx.ops import reference
+from fp8fx.ops.args import Fp8GemmArgs
 
 pytestmark = pytest.mark.skipif(not launch.interpreter_active(), reason="needs TRITON_INTERPRET=1 before import")
 
@@ -64,21 +65,20 @@ def test_launcher_takes_any_shape_and_layout(shape, blocks, layout_a, layout_b, 
         a, b, sa, sb, block_a=block_a, block_b=block_b, epilogue=ep, bias=bias, out_dtype=torch.float32, family=family
     )
     ref, _, _ = reference.fp8_gemm(
-        a.contiguous(),
-        b.contiguous(),
-        sa,
-        sb,
-        bias,
-        None,
-        None,
-        None,
-        torch.float32,
-        torch.float32,
-        list(block_a),
-        list(block_b),
-        ep.spec(),
-        "scaled_mm",
-        False,
+        Fp8GemmArgs(
+            a.contiguous(),
+            b.contiguous(),
+            sa,
+            sb,
+            bias=bias,
+            out_dtype=torch.float32,
+            aux_dtype=torch.float32,
+            block_a=list(block_a),
+            block_b=list(block_b),
+            epilogue=ep.spec(),
+            gpu_kernel="scaled_mm",
+            fast_accum=False,
+        )
     )
     close_as(out, ref)
 
