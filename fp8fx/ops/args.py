@@ -15,10 +15,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Any, ClassVar, NamedTuple, Self
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor, fx
+
+if TYPE_CHECKING:  # (typing.Self is Python 3.11's; fp8fx supports 3.10)
+    from typing import Self
 
 Operand = Tensor | fx.Node
 
