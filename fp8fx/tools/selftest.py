@@ -518,7 +518,7 @@ def interpreter_job(uses: list[VariantUse], shapes=INTERPRETER_SHAPES, step_reci
 
 def run_interpreter_job(job: dict) -> list[dict]:
     """In the child (TRITON_INTERPRET=1): the same checks as on a GPU, on CPU tensors."""
-    from fp8fx.codegen.launch import interpreter_active
+    from fp8fx.codegen.versions import interpreter_active
 
     if not interpreter_active():
         raise RuntimeError("Triton's interpreter is off: TRITON_INTERPRET=1 must be set before Triton is imported")
