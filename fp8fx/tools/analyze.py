@@ -43,7 +43,8 @@ from fp8fx.compiler.backend import report as report_of
 from fp8fx.compiler.state import prepare
 from fp8fx.core.patterns import BY_KIND, POLICY_KINDS
 from fp8fx.core.policy import Policy, Rule
-from fp8fx.reporting.records import Report, has_values
+from fp8fx.reporting.op_record import has_values
+from fp8fx.reporting.records import Report
 from fp8fx.reporting.uncaptured import eager_experts, grouped
 from fp8fx.runtime.numerics import NumericsCollector, collecting
 
