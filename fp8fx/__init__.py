@@ -11,13 +11,11 @@ from fp8fx.core.formats import FormatRecipe, Fp8Format
 from fp8fx.core.policy import FastAccum, GemmPrecisions, Policy, PolicyError, Rule, Settings
 from fp8fx.core.policy_yaml import load_policy, policy_from_yaml
 from fp8fx.core.recipes import Precision
-from fp8fx.core.version import VERSION
+from fp8fx.core.version import VERSION as __version__
 from fp8fx.reporting.op_record import OpRecord
 from fp8fx.reporting.records import Report
 from fp8fx.tools.analyze import CoverageError, ModelFileError, analyze, assert_coverage, load_model_file
 from fp8fx.tools.export import ExportError, ExportResult, export_onnx
-
-__version__ = VERSION
 
 __all__ = [
     "CoverageError",

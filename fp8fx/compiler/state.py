@@ -1,19 +1,19 @@
 """Delayed-scaling state: amax histories and scales that travel with the model.
 
 `fp8fx.prepare(model)` (`attach`) gives the model an `Fp8State` (not a submodule: models that
-iterate over their children, like `nn.Sequential`, stay unchanged) and state-dict hooks, so the state appears
-in `model.state_dict()` under `fp8fx_state.` and `load_state_dict` restores it. The backend fills
-it when it compiles a graph that uses delayed scaling: one `DelayedScalingState` per FP8 cast,
-named after the first GEMM operand that needs it (`layers.0.q_proj.output.input`). Compiled
-graphs read and update the buffers in place every step (through a handle, `fp8fx.ops.delayed`),
-so a run resumed from a checkpoint continues with the same scales. A checkpoint may be loaded
-before the first compile: its values wait until the buffers are created.
+iterate over their children, like `nn.Sequential`, stay unchanged) and state-dict hooks, so the
+state appears in `model.state_dict()` under `fp8fx_state.` and `load_state_dict` restores it. The
+backend fills it when it compiles a graph that uses delayed scaling (or `fp8fx.prepare` with
+example inputs, `fp8fx.compiler.prepare`, before the first compile): one `DelayedScalingState` per
+FP8 cast, named after the first GEMM operand that needs it (`layers.0.q_proj.output.input`).
+Compiled graphs read and update the buffers in place every step (through a handle,
+`fp8fx.ops.delayed`), so a run resumed from a checkpoint continues with the same scales. A
+checkpoint may be loaded before the first compile: its values wait until the buffers are created.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import torch
 from torch import nn

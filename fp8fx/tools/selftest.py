@@ -191,14 +191,14 @@ def collect_variants(recipes=RECIPES, dims: ModelDims = COLLECT_DIMS, dtype: tor
     """Every kernel variant of a training step (forward and backward) of SelftestModel under each
     recipe, in first-seen order. Compiled on the CPU with the eager inner compiler: which variants
     a graph needs does not depend on the device, and BF16 is what a GPU trains in."""
-    from fp8fx.compiler.backend import backend as make_backend
+    from fp8fx.compiler.backend import backend as fp8fx_backend
     from fp8fx.core.policy import Policy
 
     seen: dict = {}
     for i, recipe in enumerate(recipes):
         torch.manual_seed(0)
         model = SelftestModel(dims).to(dtype)
-        backend = make_backend(policy=Policy.from_recipe(recipe), inner="eager", keep_graphs=True)
+        backend = fp8fx_backend(policy=Policy.from_recipe(recipe), inner="eager", keep_graphs=True)
         x = torch.randn(dims.batch, dims.seq, dims.dim, dtype=dtype, requires_grad=True)
         try:
             torch.compile(model, backend=backend)(x).float().sum().backward()
@@ -429,7 +429,7 @@ def step_tensors(recipe: str | None, kernels: str, dims: ModelDims, device, dtyp
     """Output, input gradient and parameter gradients of one forward+backward of SelftestModel
     compiled with fp8fx under `recipe` and `kernels`; `recipe` None: the model in fp32 without
     FP8, eagerly (the reference both FP8 steps are measured against)."""
-    from fp8fx.compiler.backend import backend as make_backend
+    from fp8fx.compiler.backend import backend as fp8fx_backend
     from fp8fx.core.policy import Policy
 
     torch.manual_seed(seed)
@@ -438,7 +438,7 @@ def step_tensors(recipe: str | None, kernels: str, dims: ModelDims, device, dtyp
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(dims.batch, dims.seq, dims.dim, generator=g).to(device=device, dtype=dtype).requires_grad_()
     dy = torch.randn(dims.batch, dims.seq, dims.dim, generator=g).to(device=device, dtype=dtype)
-    backend = make_backend(policy=Policy.from_recipe(recipe), inner=inner, kernels=kernels) if recipe else None
+    backend = fp8fx_backend(policy=Policy.from_recipe(recipe), inner=inner, kernels=kernels) if recipe else None
     try:
         out = (torch.compile(model, backend=backend) if backend else model)(x)
         out.backward(dy)
@@ -676,7 +676,7 @@ def speed_summary(rows: list[dict]) -> list[dict]:
 def time_block(dims: ModelDims, device, bench: Callable | None = None, inner: str = "inductor", baseline_backend: str = "inductor") -> dict:
     """Training-step time of SelftestModel in BF16: fp8fx (kernels auto), fp8fx with
     kernels="scaled_mm", and plain torch.compile; milliseconds (None and an error if one failed)."""
-    from fp8fx.compiler.backend import backend as make_backend
+    from fp8fx.compiler.backend import backend as fp8fx_backend
 
     bench = bench if bench is not None else cuda_bench
     torch.manual_seed(0)
@@ -686,8 +686,8 @@ def time_block(dims: ModelDims, device, bench: Callable | None = None, inner: st
     result: dict = dict(dims=dataclasses.asdict(dims), recipe="tensorwise", inner=inner)
     errors: dict = {}
     backends = (
-        ("fp8fx_auto", lambda: make_backend(inner=inner, kernels="auto")),
-        ("fp8fx_scaled_mm", lambda: make_backend(inner=inner, kernels="scaled_mm")),
+        ("fp8fx_auto", lambda: fp8fx_backend(inner=inner, kernels="auto")),
+        ("fp8fx_scaled_mm", lambda: fp8fx_backend(inner=inner, kernels="scaled_mm")),
         ("bf16", lambda: baseline_backend),
     )
     for name, make_backend in backends:
