@@ -6,16 +6,16 @@
 """
 
 from fp8fx.compiler.backend import Fp8fxBackend, backend, report, stats
-from fp8fx.compiler.state import prepare
+from fp8fx.compiler.prepare import prepare
 from fp8fx.core.formats import FormatRecipe, Fp8Format
 from fp8fx.core.policy import FastAccum, GemmPrecisions, Policy, PolicyError, Rule, Settings
 from fp8fx.core.policy_yaml import load_policy, policy_from_yaml
 from fp8fx.core.recipes import Precision
-from fp8fx.reporting.records import OpRecord, Report
+from fp8fx.core.version import VERSION as __version__
+from fp8fx.reporting.op_record import OpRecord
+from fp8fx.reporting.records import Report
 from fp8fx.tools.analyze import CoverageError, ModelFileError, analyze, assert_coverage, load_model_file
 from fp8fx.tools.export import ExportError, ExportResult, export_onnx
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CoverageError",

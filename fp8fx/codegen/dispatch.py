@@ -25,38 +25,11 @@ from pathlib import Path
 
 import torch
 
-from fp8fx.codegen.variants import CONFIGS, DEFAULT_FAMILY, GemmVariant
+from fp8fx.codegen.variants import GemmVariant
+from fp8fx.codegen.versions import triton_available
 from fp8fx.core.epilogue import PLAIN
 
 TABLE_FORMAT = 1
-
-
-@functools.cache
-def triton_available() -> bool:
-    """Whether Triton can be imported here (Linux wheels; not on macOS or Windows)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def interpreter_active() -> bool:
-    """Triton's interpreter runs the kernels on CPU tensors (TRITON_INTERPRET=1 when Triton was imported)."""
-    if not triton_available():
-        return False
-    import triton
-
-    return bool(triton.knobs.runtime.interpret)
-
-
-def gemm_family(target: str, variant: GemmVariant) -> str:
-    """The kernel family that runs `variant`'s GEMM on `target`: MX GEMMs run "mx" (block-scaled
-    MMAs) where it has tile configs (Blackwell, and the interpreter that tests it); everything else
-    the target's default (`fp8fx.codegen.variants.DEFAULT_FAMILY`)."""
-    if variant.mx and (target, "mx") in CONFIGS:
-        return "mx"
-    return DEFAULT_FAMILY[target]
 
 
 def scaled_mm_kind(block_a: list[int], block_b: list[int]) -> str | None:
@@ -219,7 +192,7 @@ def measured_fusion(table: list[dict], variant: GemmVariant, shape: tuple) -> tu
 
 def grouped_launcher():
     """The generated grouped FP8 GEMM's launcher (`fp8fx.codegen.launch.grouped_fp8_gemm`), or None
-    without Triton."""
+    without Triton. Imported when asked for: the launcher imports Triton."""
     if not triton_available():
         return None
     from fp8fx.codegen.launch import grouped_fp8_gemm

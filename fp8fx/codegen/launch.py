@@ -18,7 +18,6 @@ import torch
 import triton
 from torch import Tensor
 
-from fp8fx.codegen.dispatch import gemm_family, interpreter_active
 from fp8fx.codegen.triton_kernels import amax_kernel, fp8_gemm_kernel, quantize_kernel
 from fp8fx.codegen.variants import (
     GRID_LIMITS,
@@ -30,8 +29,10 @@ from fp8fx.codegen.variants import (
     TileConfig,
     configs_for,
     device_target,
+    gemm_family,
     nvfp4_blocks,
 )
+from fp8fx.codegen.versions import interpreter_active
 from fp8fx.core import fp4
 from fp8fx.core.epilogue import PLAIN, Epilogue
 from fp8fx.core.formats import fp8_format_of
@@ -199,7 +200,7 @@ def fp8_gemm(
 
     a: [M, K] FP8, b: [K, N] FP8, any strides (operands that are not K-contiguous with aligned rows
     are copied first). `family` forces the kernel family ("pointer", "tma", or "mx" for MX blocks);
-    by default `dispatch.gemm_family`'s. Returns (out, aux or None, amax or None)."""
+    by default `variants.gemm_family`'s. Returns (out, aux or None, amax or None)."""
     device = _check_device(
         {
             "a": a,

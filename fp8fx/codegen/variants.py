@@ -343,6 +343,15 @@ def device_target(device: torch.device) -> str:
     return arch_of(torch.cuda.get_device_capability(device), hip=torch.version.hip is not None)
 
 
+def gemm_family(target: str, variant: GemmVariant) -> str:
+    """The kernel family that runs `variant`'s GEMM on `target`: MX GEMMs run "mx" (block-scaled
+    MMAs) where it has tile configs (Blackwell, and the interpreter that tests it); everything else
+    the target's default (`DEFAULT_FAMILY`)."""
+    if variant.mx and (target, "mx") in CONFIGS:
+        return "mx"
+    return DEFAULT_FAMILY[target]
+
+
 def configs_for(target: str, variant: GemmVariant, family: str | None = None) -> tuple[TileConfig, ...]:
     """Configs of `target` usable for `variant`: with K-block scales, BLOCK_K must divide the K-block."""
     configs = CONFIGS[target, family or DEFAULT_FAMILY[target]]

@@ -1,11 +1,13 @@
-"""The installed Triton's version, and the features fp8fx uses that older Triton releases lack.
+"""The installed Triton: whether there is one (`triton_available`), whether its interpreter runs
+the kernels (`interpreter_active`), its version, and the features fp8fx uses that older releases lack.
 
 fp8fx supports Triton 3.6 (torch 2.11's) through 3.9 (torch 2.13's). Each gap below was measured:
 the feature is missing on every release before `since`. `variants` drops what needs a missing
 feature (so nothing asks for it), the tests skip what cannot run, and `fp8fx selftest` lists the
 gaps (`limits`). Imports no Triton (the version comes from the package metadata), except
-`patch_interpreter`, which runs only under Triton's interpreter. `cpu_rowwise_scaled_mm` probes
-one torch 2.11 gap that only tests meet.
+`triton_available` and `interpreter_active` when called, and `patch_interpreter`, which runs only
+under Triton's interpreter. `cpu_rowwise_scaled_mm` probes one torch 2.11 gap that only tests meet.
+Every other module of fp8fx asks these probes, which import nothing of fp8fx, whether Triton is there.
 """
 
 from __future__ import annotations
@@ -42,6 +44,25 @@ FEATURES = {
 # NumPy >= 2.4 refuses: any loop whose bounds are run-time scalars fails. `patch_interpreter`
 # applies Triton 3.7's fix (triton-lang/triton#9171), so this is not a gap.
 INTERPRETER_INDEX_FIXED = (3, 7)
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton can be imported here (Linux wheels; not on macOS or Windows)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreter_active() -> bool:
+    """Triton's interpreter runs the kernels on CPU tensors (TRITON_INTERPRET=1 when Triton was imported)."""
+    if not triton_available():
+        return False
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
 
 
 def _parse(version: str) -> tuple[int, ...]:

@@ -47,7 +47,8 @@ from fp8fx.passes.annotation import annotations
 from fp8fx.passes.gathered_experts import rewrite_gathered_experts
 from fp8fx.passes.graph_utils import DelayedInputs, Taps, decompose_nodes
 from fp8fx.passes.saved_outputs import recompute_at_first_use
-from fp8fx.reporting.records import OpRecord, Report
+from fp8fx.reporting.op_record import OpRecord
+from fp8fx.reporting.records import Report
 from fp8fx.reporting.traffic import non_gemm_bytes, saved_activation_bytes
 from fp8fx.reporting.uncaptured import find_uncaptured
 from fp8fx.runtime.monitor import Monitor

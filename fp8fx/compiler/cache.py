@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from fp8fx.reporting.records import OpRecord
+from fp8fx.reporting.op_record import OpRecord
 
 RECORDS_DIR = "fp8fx-records"
 

@@ -32,7 +32,8 @@ import torch
 from torch import Tensor, fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fp8fx.codegen.dispatch import interpreter_active, scaled_mm_kind
+from fp8fx.codegen.dispatch import scaled_mm_kind
+from fp8fx.codegen.versions import interpreter_active
 from fp8fx.core import scaling
 from fp8fx.core.formats import FP8_DTYPES, fp8_format_of
 from fp8fx.ops import cuda, reference

@@ -34,10 +34,13 @@ from typing import Any
 
 import torch
 
-import fp8fx
+from fp8fx.compiler.backend import backend as make_backend
+from fp8fx.compiler.backend import report as compiled_report
+from fp8fx.compiler.prepare import prepare
 from fp8fx.compiler.state import BUFFERS, STATE_ATTR, DelayedScalingState
 from fp8fx.core.policy import Policy
 from fp8fx.integrations import MonitorLog, find_backend, require, save_report, summary_metrics
+from fp8fx.reporting.records import Report
 
 lightning = require("lightning", "2.4", "lightning")
 
@@ -145,20 +148,20 @@ class Fp8fxCallback(lightning.pytorch.Callback):
                 )
             self.backend, self.compiled = found
         else:
-            self.backend = fp8fx.backend(policy=self.policy, inner=self.inner, monitor_every=self.monitor_every)
+            self.backend = make_backend(policy=self.policy, inner=self.inner, monitor_every=self.monitor_every)
             pl_module.compile(backend=self.backend)
             self.compiled = pl_module
             _COMPILED[pl_module] = (settings, self.backend)
         if not _states(pl_module):
-            fp8fx.prepare(pl_module)  # before the checkpoint is restored and before the first compile
+            prepare(pl_module)  # before the checkpoint is restored and before the first compile
         self._module = pl_module
         self._monitor = MonitorLog(self.backend.monitor) if self.backend.monitor is not None else None
 
-    def report(self) -> fp8fx.Report:
+    def report(self) -> Report:
         """The report of the module this callback trains."""
         if self.compiled is None:
             raise RuntimeError("fp8fx Fp8fxCallback: no module yet; the report exists once the Trainer has called setup")
-        return fp8fx.report(self.compiled)
+        return compiled_report(self.compiled)
 
     # -- logging -------------------------------------------------------------------------------
 

@@ -67,7 +67,7 @@ import torch
 from fp8fx.compiler.backend import INNER_COMPILERS, Fp8fxBackend
 from fp8fx.compiler.backend import backend as make_backend
 from fp8fx.compiler.backend import report as compiled_report
-from fp8fx.compiler.state import prepare
+from fp8fx.compiler.prepare import prepare
 from fp8fx.core.policy import Policy
 from fp8fx.integrations import require
 from fp8fx.reporting.records import Report

@@ -28,7 +28,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-import fp8fx
+from fp8fx.compiler.backend import backend as make_backend
+from fp8fx.compiler.backend import report as compiled_report
+from fp8fx.compiler.prepare import prepare
 from fp8fx.core.policy import Policy
 from fp8fx.integrations import MonitorLog, find_backend, require, save_report, summary_metrics
 
@@ -56,7 +58,7 @@ class Fp8fxCallback(transformers.TrainerCallback):
             return
         added = {}
         if not self.summary_logged:
-            added.update(summary_metrics(fp8fx.report(self.model)))
+            added.update(summary_metrics(compiled_report(self.model)))
             self.summary_logged = True
         if self.monitor is not None:
             monitored = self.monitor.metrics()
@@ -69,7 +71,7 @@ class Fp8fxCallback(transformers.TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             checkpoint = Path(args.output_dir) / f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-            save_report(fp8fx.report(self.model), checkpoint)
+            save_report(compiled_report(self.model), checkpoint)
 
 
 class _ConsoleSummaryOnly(transformers.TrainerCallback):
@@ -111,8 +113,8 @@ def enable(
         raise ValueError("fp8fx enable: this Trainer is already enabled")
     model = trainer.model
     if find_backend(model) is None:
-        fp8fx.prepare(model)
-        model.compile(backend=fp8fx.backend(policy=policy, inner=inner, monitor_every=monitor_every, **backend_options))
+        prepare(model)
+        model.compile(backend=make_backend(policy=policy, inner=inner, monitor_every=monitor_every, **backend_options))
     elif policy is not None or backend_options or monitor_every:
         raise ValueError(
             "fp8fx enable: the model is already compiled with fp8fx; give the policy and options to that fp8fx.backend(...)"

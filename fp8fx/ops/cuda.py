@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fp8fx.codegen.dispatch import grouped_launcher, interpreter_active, scaled_mm_kind, triton_available
+from fp8fx.codegen.dispatch import grouped_launcher, scaled_mm_kind
 from fp8fx.codegen.variants import nvfp4_blocks
+from fp8fx.codegen.versions import interpreter_active, triton_available
 from fp8fx.core import grouped
 from fp8fx.core.epilogue import Epilogue
 from fp8fx.core.formats import FP8_DTYPES, fp8_format_of

@@ -25,7 +25,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fp8fx.codegen.dispatch import grouped_launcher
+from fp8fx.codegen.versions import triton_available
 from fp8fx.core import grouped
 from fp8fx.core.formats import Fp8Format
 from fp8fx.core.grouped import OperandScales
@@ -272,7 +272,7 @@ class _Inserter:
         for key in _CARRIED_META:
             if key in gemm.meta:
                 new.meta[key] = gemm.meta[key]
-        kernel, why = grouped.gpu_kernel(tuple(f.value for f in d.formats), tuple(scales), grouped_launcher() is not None)
+        kernel, why = grouped.gpu_kernel(tuple(f.value for f in d.formats), tuple(scales), triton_available())
         annotate(
             new,
             replace(

@@ -93,7 +93,7 @@ import math
 from dataclasses import dataclass
 
 from fp8fx.core.patterns import BY_KIND
-from fp8fx.reporting.records import OpRecord
+from fp8fx.reporting.op_record import OpRecord
 
 TILE = 128  # output tile edge (both formats): the unit of wave quantization
 SPLIT_K_MIN = 512  # split-K never leaves a part shorter than this along K

@@ -12,7 +12,8 @@ import re
 from html import escape
 from typing import Any
 
-from fp8fx.reporting.records import mib, repeated_site
+from fp8fx.reporting.op_record import repeated_site
+from fp8fx.reporting.records import mib
 
 MAX_POINTS = 100  # x positions of a per-site plot
 MAX_BARS = 60  # bars of the speedup plot

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from fp8fx.reporting.records import repeated_site
+from fp8fx.reporting.op_record import repeated_site
 
 # Modules whose weight is read by a gather, not a matmul: not reading it in a graph loses no GEMM.
 _LOOKUPS = (nn.Embedding, nn.EmbeddingBag)

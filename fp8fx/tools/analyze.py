@@ -40,19 +40,17 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from fp8fx.compiler.backend import backend as make_backend
 from fp8fx.compiler.backend import report as report_of
-from fp8fx.compiler.state import prepare
+from fp8fx.compiler.prepare import prepare
+from fp8fx.compiler.trace import ModelFileError, compiled_once, default_loss
 from fp8fx.core.patterns import BY_KIND, POLICY_KINDS
 from fp8fx.core.policy import Policy, Rule
-from fp8fx.reporting.records import Report, has_values
+from fp8fx.reporting.op_record import has_values
+from fp8fx.reporting.records import Report
 from fp8fx.reporting.uncaptured import eager_experts, grouped
 from fp8fx.runtime.numerics import NumericsCollector, collecting
 
 _BUILD_HINT = "add `def build_model(): return MyModel(...)` (built on the meta device: no weights) or a module-level `model = MyModel(...)`"
 _INPUTS_HINT = "add `def example_inputs(): return (torch.randn(8, 128),)` returning the model's positional inputs"
-
-
-class ModelFileError(Exception):
-    """A model file that cannot be analysed; the message says what to change."""
 
 
 class CoverageError(AssertionError):
@@ -178,13 +176,6 @@ def load_model_file(path: str | Path, real_weights: bool = False) -> ModelFile:
     )  # fmt: skip
 
 
-def _default_loss(output: Any) -> torch.Tensor:
-    for value in (output, getattr(output, "logits", None), output[0] if isinstance(output, (tuple, list)) and output else None):
-        if isinstance(value, torch.Tensor):
-            return value.float().sum()
-    raise ModelFileError(f"cannot make a loss from the model's output ({type(output).__name__}); define loss_fn(output) in the model file")
-
-
 OP_KINDS = (*POLICY_KINDS, "sdpa")  # every op kind a policy rule can name, and attention
 
 
@@ -303,19 +294,15 @@ def _compile_and_run(model, batches, policy, train, loss_fn, collector, progress
     backend = make_backend(policy=policy, inner="eager")
     backend.epilogues_to_inductor = True  # report what the default (Inductor) compile runs
     backend.numerics = collector
-    compiled = torch.compile(model, backend=backend)
-    try:
-        with collecting(collector) if collector else contextlib.nullcontext():
-            for i, batch in enumerate(batches):
-                if progress:
-                    progress(stage, i, len(batches))
-                if train:
-                    (loss_fn or _default_loss)(compiled(*batch)).backward()  # inputs as given: data needs no grad
-                else:
-                    with torch.no_grad():
-                        compiled(*batch)
-    finally:
-        torch._dynamo.reset()  # the analysis compiled a throwaway copy of the model's code
+    with compiled_once(model, backend) as compiled, collecting(collector) if collector else contextlib.nullcontext():
+        for i, batch in enumerate(batches):
+            if progress:
+                progress(stage, i, len(batches))
+            if train:
+                (loss_fn or default_loss)(compiled(*batch)).backward()  # inputs as given: data needs no grad
+            else:
+                with torch.no_grad():
+                    compiled(*batch)
     if progress:
         progress(stage, len(batches), len(batches))
     return report_of(compiled)

@@ -19,10 +19,10 @@ from torch import nn
 
 from fp8fx.compiler.backend import backend as make_backend
 from fp8fx.compiler.backend import report as report_of
-from fp8fx.compiler.state import prepare
+from fp8fx.compiler.prepare import prepare
 from fp8fx.core.policy import Policy
 from fp8fx.core.policy_yaml import policy_from_yaml
-from fp8fx.reporting.records import OpRecord
+from fp8fx.reporting.op_record import OpRecord
 from fp8fx.tools.suggest import Flag, policy_keeping_high
 
 Gemm = tuple[str, str]  # (site, role)

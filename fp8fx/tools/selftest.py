@@ -192,13 +192,14 @@ def collect_variants(recipes=RECIPES, dims: ModelDims = COLLECT_DIMS, dtype: tor
     """Every kernel variant of a training step (forward and backward) of SelftestModel under each
     recipe, in first-seen order. Compiled on the CPU with the eager inner compiler: which variants
     a graph needs does not depend on the device, and BF16 is what a GPU trains in."""
-    import fp8fx
+    from fp8fx.compiler.backend import backend as fp8fx_backend
+    from fp8fx.core.policy import Policy
 
     seen: dict = {}
     for i, recipe in enumerate(recipes):
         torch.manual_seed(0)
         model = SelftestModel(dims).to(dtype)
-        backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="eager", keep_graphs=True)
+        backend = fp8fx_backend(policy=Policy.from_recipe(recipe), inner="eager", keep_graphs=True)
         x = torch.randn(dims.batch, dims.seq, dims.dim, dtype=dtype, requires_grad=True)
         try:
             torch.compile(model, backend=backend)(x).float().sum().backward()
@@ -436,7 +437,8 @@ def step_tensors(recipe: str | None, kernels: str, dims: ModelDims, device, dtyp
     """Output, input gradient and parameter gradients of one forward+backward of SelftestModel
     compiled with fp8fx under `recipe` and `kernels`; `recipe` None: the model in fp32 without
     FP8, eagerly (the reference both FP8 steps are measured against)."""
-    import fp8fx
+    from fp8fx.compiler.backend import backend as fp8fx_backend
+    from fp8fx.core.policy import Policy
 
     torch.manual_seed(seed)
     dtype = dtype if recipe else torch.float32
@@ -444,7 +446,7 @@ def step_tensors(recipe: str | None, kernels: str, dims: ModelDims, device, dtyp
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(dims.batch, dims.seq, dims.dim, generator=g).to(device=device, dtype=dtype).requires_grad_()
     dy = torch.randn(dims.batch, dims.seq, dims.dim, generator=g).to(device=device, dtype=dtype)
-    backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner=inner, kernels=kernels) if recipe else None
+    backend = fp8fx_backend(policy=Policy.from_recipe(recipe), inner=inner, kernels=kernels) if recipe else None
     try:
         out = (torch.compile(model, backend=backend) if backend else model)(x)
         out.backward(dy)
@@ -526,7 +528,7 @@ def interpreter_job(uses: list[VariantUse], shapes=INTERPRETER_SHAPES, step_reci
 
 def run_interpreter_job(job: dict) -> list[dict]:
     """In the child (TRITON_INTERPRET=1): the same checks as on a GPU, on CPU tensors."""
-    from fp8fx.codegen.launch import interpreter_active
+    from fp8fx.codegen.versions import interpreter_active
 
     if not interpreter_active():
         raise RuntimeError("Triton's interpreter is off: TRITON_INTERPRET=1 must be set before Triton is imported")
@@ -682,7 +684,7 @@ def speed_summary(rows: list[dict]) -> list[dict]:
 def time_block(dims: ModelDims, device, bench: Callable | None = None, inner: str = "inductor", baseline_backend: str = "inductor") -> dict:
     """Training-step time of SelftestModel in BF16: fp8fx (kernels auto), fp8fx with
     kernels="scaled_mm", and plain torch.compile; milliseconds (None and an error if one failed)."""
-    import fp8fx
+    from fp8fx.compiler.backend import backend as fp8fx_backend
 
     bench = bench if bench is not None else cuda_bench
     torch.manual_seed(0)
@@ -692,8 +694,8 @@ def time_block(dims: ModelDims, device, bench: Callable | None = None, inner: st
     result: dict = dict(dims=dataclasses.asdict(dims), recipe="tensorwise", inner=inner)
     errors: dict = {}
     backends = (
-        ("fp8fx_auto", lambda: fp8fx.backend(inner=inner, kernels="auto")),
-        ("fp8fx_scaled_mm", lambda: fp8fx.backend(inner=inner, kernels="scaled_mm")),
+        ("fp8fx_auto", lambda: fp8fx_backend(inner=inner, kernels="auto")),
+        ("fp8fx_scaled_mm", lambda: fp8fx_backend(inner=inner, kernels="scaled_mm")),
         ("bf16", lambda: baseline_backend),
     )
     for name, make_backend in backends:
@@ -758,10 +760,18 @@ def gpu_status() -> GpuStatus:
 def environment() -> dict:
     """Versions: fp8fx, torch, Triton, CUDA (torch's build), Python, the platform; and what this
     Triton lacks of what fp8fx uses (`fp8fx.codegen.versions.limits`)."""
-    import fp8fx
     from fp8fx.codegen import versions
+    from fp8fx.core.version import VERSION
 
-    return dict(fp8fx=fp8fx.__version__, torch=torch.__version__, triton=versions.triton_version_string(), cuda=torch.version.cuda, python=platform.python_version(), platform=platform.platform(), limits=versions.limits())
+    return dict(
+        fp8fx=VERSION,
+        torch=torch.__version__,
+        triton=versions.triton_version_string(),
+        cuda=torch.version.cuda,
+        python=platform.python_version(),
+        platform=platform.platform(),
+        limits=versions.limits(),
+    )
 
 
 def default_output(status: GpuStatus) -> Path:

@@ -16,7 +16,8 @@ import yaml
 
 from fp8fx.core.policy import Policy, Rule
 from fp8fx.core.recipes import Precision
-from fp8fx.reporting.records import OpRecord, Report, repeated_site
+from fp8fx.reporting.op_record import OpRecord, repeated_site
+from fp8fx.reporting.records import Report
 
 DEFAULT_MIN_SQNR_DB = 18.0  # below this a GEMM's FP8 result is noisier than training tolerates well
 

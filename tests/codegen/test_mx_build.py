@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from fp8fx.codegen import versions
-from fp8fx.codegen.dispatch import choose_kernel, gemm_family
+from fp8fx.codegen.dispatch import choose_kernel
 from fp8fx.codegen.targets import build_all
-from fp8fx.codegen.variants import GemmVariant, configs_for
+from fp8fx.codegen.variants import GemmVariant, configs_for, gemm_family
 from fp8fx.core.epilogue import Epilogue
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -18,7 +18,7 @@ from torch import nn
 import fp8fx
 from fp8fx.core.policy import Rule
 from fp8fx.reporting.costmodel import HIGH_BYTES, TARGETS, GpuSpec, gpu, predict, predict_step
-from fp8fx.reporting.records import OpRecord
+from fp8fx.reporting.op_record import OpRecord
 
 
 def record(

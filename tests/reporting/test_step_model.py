@@ -14,7 +14,7 @@ from torch import nn
 
 import fp8fx
 from fp8fx.reporting.costmodel import gpu, optimizer_us, predict, predict_step
-from fp8fx.reporting.records import OpRecord
+from fp8fx.reporting.op_record import OpRecord
 
 TARGETS = ("h100", "h200", "b200")
 SIZES = (64, 256, 1024, 4096, 16384)

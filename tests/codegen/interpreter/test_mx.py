@@ -13,8 +13,7 @@ from helpers import sqnr
 from test_kernels import E4M3, E5M2, close_as, wide_range
 
 from fp8fx.codegen import launch, versions
-from fp8fx.codegen.dispatch import gemm_family
-from fp8fx.codegen.variants import GemmVariant
+from fp8fx.codegen.variants import GemmVariant, gemm_family
 from fp8fx.core.epilogue import Epilogue
 from fp8fx.core.scaling import amax_to_scale, block_amax
 from fp8fx.ops import reference
