@@ -25,7 +25,16 @@ from fp8fx.codegen.variants import GemmVariant
 from fp8fx.core.epilogue import PLAIN, Epilogue, activation_of
 from fp8fx.core.formats import Fp8Format
 from fp8fx.passes.annotation import Fusion, annotate, annotation, update_fusion
-from fp8fx.passes.graph_utils import DTYPE_CASTS, PassContext, PassResult, add_node, fake_mode_of, k_contiguous, strip_layout
+from fp8fx.passes.graph_utils import (
+    DTYPE_CASTS,
+    PassContext,
+    PassResult,
+    add_node,
+    copy_meta,
+    fake_mode_of,
+    k_contiguous,
+    strip_layout,
+)
 
 aten = torch.ops.aten
 fp8fx_ops = torch.ops.fp8fx
@@ -299,9 +308,7 @@ class _Fuser:
             aux = None
             if aux_node is not None:
                 aux = outs[1] if _same_shape(aux_node, (m, n)) else self.add(_reshape_like(aux_node), (outs[1], sizes[aux_node]), tag_from=gemm)
-        for key in ("seq_nr", "autograd_backward", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack"):
-            if key in gemm.meta:
-                fused.meta[key] = gemm.meta[key]
+        copy_meta(gemm, fused)  # the fused GEMM takes the scaled_mm's place
         fusion = Fusion(kernel, kernel_reason, epilogue=ep, absorbed=tuple(n.name for n in absorbed), variant=variant)
         annotate(fused, replace(annotation(gemm), fusion=fusion))
         for u in amax_users:

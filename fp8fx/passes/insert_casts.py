@@ -36,6 +36,7 @@ from fp8fx.passes.graph_utils import (
     PassContext,
     PassResult,
     add_node,
+    copy_meta,
     fake_mode_of,
     node_values,
     op_args,
@@ -59,10 +60,6 @@ def _swaps(view: fx.Node) -> int:
     if view.target is aten.transpose.int:
         return int(view.args[1] % 2 != view.args[2] % 2)
     return 1
-
-
-# Meta that identifies the replaced GEMM; carried over to the scaled_mm node.
-_CARRIED_META = ("seq_nr", "autograd_backward", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack", "stack_trace")
 
 
 @dataclass
@@ -258,9 +255,7 @@ class _Inserter:
         args = (a, b, qa.scale_inv, qb.scale_inv, offs, out_dtype, list(d.blocks[0]), list(d.blocks[1]), d.fast_accum)
         with self.graph.inserting_before(gemm):
             new = self.add(fp8fx_ops.fp8_grouped_mm.default, args, tag_from=gemm)
-        for key in _CARRIED_META:
-            if key in gemm.meta:
-                new.meta[key] = gemm.meta[key]
+        copy_meta(gemm, new)  # the FP8 GEMM takes the replaced one's place
         kernel, why = grouped.gpu_kernel(tuple(f.value for f in d.formats), tuple(scales), grouped_launcher() is not None)
         annotate(
             new,
@@ -331,9 +326,7 @@ class _Inserter:
         )
         with self.graph.inserting_before(gemm):
             new = self.add(fp8fx_ops.scaled_mm.default, args, tag_from=gemm)
-        for key in _CARRIED_META:
-            if key in gemm.meta:
-                new.meta[key] = gemm.meta[key]
+        copy_meta(gemm, new)  # the FP8 GEMM takes the replaced one's place
         annotate(new, replace(ann, state_keys=(qa.state_key, qb.state_key)))
         gemm.replace_all_uses_with(new)
         self.graph.erase_node(gemm)
