@@ -353,7 +353,7 @@ def _count_memory_passes(graph: fx.Graph) -> None:
     (`inner="eager"`). Added: each operand cast this GEMM is the first to use costs an amax read
     (unless a producer epilogue made the amax), a cast read and a write; an operand that is not
     K-contiguous costs a transposing copy (a read and a write). Under Inductor the casts' share is
-    counted again from the kernels it makes (`fp8fx.compiler.kernel_passes`)."""
+    counted again from the kernels it makes (`fp8fx.compiler.memory_passes`)."""
     charged: set[fx.Node] = set()
     gemms = [n for n in graph.nodes if n.target in (fp8fx_ops.fp8_gemm.default, fp8fx_ops.scaled_mm.default)]
     # Forward GEMMs first: a fused node may sit late in the joint graph, but it runs in forward.
