@@ -40,7 +40,7 @@ from llama_gpu import fp8fx_ops_called
 from torch._inductor.utils import run_and_get_code
 
 import fp8fx
-from fp8fx.compiler.kernel_passes import KernelPasses, computes, counting
+from fp8fx.compiler.memory_passes import MemoryPassCounts, computes, counting
 from fp8fx.core.formats import FP8_DTYPES
 
 
@@ -91,12 +91,12 @@ def count_torchao(recipe: str, args) -> dict:
     compute torchao's float8 code."""
     model, ids = torchao_llama(recipe, args)
     gemms = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    passes = KernelPasses(charge=torchao_charge)
+    counts = MemoryPassCounts(charge=torchao_charge)
     compiled = torch.compile(model)
-    with counting(passes, "forward", operand_numel(model, args) // 4):  # the operand size fp8fx's count uses
+    with counting(counts, "forward", operand_numel(model, args) // 4):  # the operand size fp8fx's count uses
         compiled(input_ids=ids, labels=ids).loss.backward()
     return {"recipe": f"torchao-{recipe}", "fp8_gemms": 3 * len(gemms), "fp8fx_ops_called": {},
-            "memory_passes_added": sum(passes.passes.values()), "transposed_copies": 0, "memory_passes_one_by_one": None}  # fmt: skip
+            "memory_passes_added": sum(counts.counts.values()), "transposed_copies": 0, "memory_passes_one_by_one": None}  # fmt: skip
 
 
 class _Scheduled(Exception):
@@ -118,21 +118,21 @@ def gpu_realize_rule():
 @contextlib.contextmanager
 def scheduled_by_triton(counts: list):
     """Compile the graphs inside with Inductor's Triton backend on CPU tensors, up to its fused
-    kernels: each graph's passes (counted as the active `KernelPasses` counts, into a fresh one) and
+    kernels: each graph's passes (counted as the active `MemoryPassCounts` counts, into a fresh one) and
     generated kernels (each a Triton build and a launch on a GPU) are appended to `counts`, and its
     compile stops with `_Scheduled`."""
     import torch.utils._triton as triton_utils
     from torch._inductor import config
     from torch._inductor.scheduler import Scheduler
 
-    from fp8fx.compiler import kernel_passes, lowering
+    from fp8fx.compiler import lowering, memory_passes
 
     def stop(scheduler):
-        active = kernel_passes._active[-1]
-        graph = KernelPasses(charge=active.charge)
+        active = memory_passes._active[-1]
+        graph = MemoryPassCounts(charge=active.charge)
         graph.min_numel = active.min_numel
         graph.count(scheduler.nodes)
-        counts.append((sum(graph.passes.values()), sum(not n.is_extern() for n in scheduler.nodes)))
+        counts.append((sum(graph.counts.values()), sum(not n.is_extern() for n in scheduler.nodes)))
         raise _Scheduled
 
     # The backend hash names the driver (none on a CPU); no kernel is built, so any name does. A GEMM
@@ -152,13 +152,13 @@ def count_triton_scheduled(recipe: str, args) -> dict:
         torchao = recipe.startswith("torchao-")
         if torchao:
             model, ids = torchao_llama(recipe.removeprefix("torchao-"), args)
-            compiled, passes = torch.compile(model), KernelPasses(charge=torchao_charge)
+            compiled, torchao_counts = torch.compile(model), MemoryPassCounts(charge=torchao_charge)
         else:
             model, ids = llama(args)
             compiled = torch.compile(model, backend=fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor"))
         with contextlib.ExitStack() as stack:
             if torchao:
-                stack.enter_context(counting(passes, "forward", operand_numel(model, args) // 4))
+                stack.enter_context(counting(torchao_counts, "forward", operand_numel(model, args) // 4))
             loss = compiled(input_ids=ids, labels=ids).loss if graph == "backward" else None
             try:
                 with scheduled_by_triton(counts):

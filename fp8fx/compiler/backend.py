@@ -27,7 +27,7 @@ import fp8fx.ops  # noqa: F401  (registers the fp8fx::* operators)
 from fp8fx.codegen.dispatch import triton_available
 from fp8fx.codegen.variants import device_target
 from fp8fx.compiler import cache
-from fp8fx.compiler.kernel_passes import KernelPasses, counting
+from fp8fx.compiler.memory_passes import MemoryPassCounts, counting
 from fp8fx.compiler.lowering import (
     drop_partition_copies,
     lay_out_operands,
@@ -109,7 +109,7 @@ class GraphRecord:
     # Training graphs partitioned by fp8fx (eager inner): bytes saved for backward per module FQN.
     saved_bytes: dict[str, int] | None = None
     dynamo: DynamoGraph | None = None  # None: compiled outside Dynamo
-    kernel_passes: KernelPasses | None = None  # inner="inductor": the memory passes of the kernels Inductor made
+    memory_pass_counts: MemoryPassCounts | None = None  # inner="inductor": the memory passes of the kernels Inductor made
 
     @property
     def superseded(self) -> bool:
@@ -432,7 +432,7 @@ class Fp8fxBackend:
         key = rewrite.pass_key()
         records_key = cache.graph_key(key, gm, example_inputs) if key is not None else None
         first = len(self.graphs)
-        passes = KernelPasses()
+        passes = MemoryPassCounts()
         with (
             cache.kept_whole(KEPT_WHOLE) as decompositions,
             inductor_config.patch(joint_custom_pre_pass=_InductorJointPass(rewrite, decompositions)),
@@ -441,13 +441,13 @@ class Fp8fxBackend:
             compiled = compile_fx(gm, example_inputs, inner_compile=inner)
         made = self.graphs[first:]
         for g in made:  # (a backward Inductor compiles later is counted when it does: the report reads the counts)
-            g.kernel_passes = passes
+            g.memory_pass_counts = passes
         if records_key is not None and made:
 
             def save() -> None:  # now, and again once a backward compiled later is counted
                 kept = [
-                    {"kind": g.kind, "ops": [op.with_kernel_passes(passes) for op in g.ops], "non_gemm_bytes": g.non_gemm_bytes,
-                     "delayed_states": g.delayed_states}
+                    {"kind": g.kind, "ops": [op.with_memory_pass_counts(passes) for op in g.ops],
+                     "non_gemm_bytes": g.non_gemm_bytes, "delayed_states": g.delayed_states}
                     for g in made
                 ]  # fmt: skip
                 cache.save_records(records_key, kept)
@@ -490,7 +490,9 @@ class _Rewrite:
         return cache.pass_key({"backend": key, "params": sorted(self.param_inputs), "group": group}) if key else None
 
 
-def _inductor_compile_graph(gm: fx.GraphModule, example_inputs, *, kept_whole: dict, passes: KernelPasses | None = None, **kwargs):
+def _inductor_compile_graph(
+    gm: fx.GraphModule, example_inputs, *, kept_whole: dict, passes: MemoryPassCounts | None = None, **kwargs
+):
     """Inductor's compile of one partitioned graph. A backward graph first gets its recomputed
     values moved to their first use, as with inner="eager": Inductor keeps its opaque ops (the FP8
     GEMMs) in graph order, so the partitioner's order made backward recompute every layer's values
@@ -644,8 +646,8 @@ def _report(backend: Fp8fxBackend, graphs: list[GraphRecord] | None = None) -> R
 
     def rows(g: GraphRecord) -> list[OpRecord]:
         ops = [op.with_state(g.state) for op in g.ops]
-        if g.kernel_passes is not None:
-            ops = [op.with_kernel_passes(g.kernel_passes) for op in ops]
+        if g.memory_pass_counts is not None:
+            ops = [op.with_memory_pass_counts(g.memory_pass_counts) for op in ops]
         if g.dynamo is None:
             return ops
         state = "superseded" if g.superseded else "in_use"

@@ -196,7 +196,7 @@ LOWERED = {
 
 # Meta of the nodes a lowered amax, cast or saved copy becomes (the ops that read or write a whole
 # tensor; scales are scalar work): (site, role) of the FP8 GEMM whose memory passes the kernels
-# they run in count towards (fp8fx.compiler.kernel_passes).
+# they run in count towards (fp8fx.compiler.memory_passes).
 CHARGED_TO = "fp8fx_charged_to"
 LOWERED_FROM = "fp8fx_lowered_from"  # meta of every node a lowered op becomes: the op's name
 # The ops whose lowered nodes are a GEMM's own work: the CPU emulation's kernels (the operands'

@@ -1,4 +1,4 @@
-"""`GemmAnnotation`: the one value fp8fx keeps in node meta, one per GEMM.
+"""`GemmAnnotation`: what fp8fx keeps in node meta about each GEMM, under `META_KEY`.
 
 `assign_precision` writes it on each GEMM found by `find_matmuls`: where the GEMM is (site,
 module, source line, role, dimensions) and its `Decision`. Later passes never decide again: they
@@ -23,7 +23,12 @@ if TYPE_CHECKING:
     from fp8fx.codegen.variants import GemmVariant
     from fp8fx.core.epilogue import Epilogue
 
-META_KEY = "fp8fx"  # the only node-meta key fp8fx writes; PyTorch's own keys are read-only to us
+# The GEMM annotations' node-meta key. fp8fx writes these others too: `val` (the fake value of each
+# node it adds), PyTorch's provenance keys copied to a node from the one it replaces or serves
+# (fp8fx.passes.graph_utils.copy_meta), `recompute` (a CheckpointPolicy telling min-cut to compute
+# again in backward: weight casts, fp8fx.passes.insert_casts; the copies let_backward_cast_again adds),
+# and the lowering's own (fp8fx.compiler.lowering: fp8fx_charged_to, fp8fx_lowered_from, fp8fx_partition_copy).
+META_KEY = "fp8fx"
 
 
 class ReasonKind(str, Enum):

@@ -27,7 +27,7 @@ from fp8fx.core.formats import Fp8Format
 from fp8fx.ops.args import Fp8GemmArgs, ScaledMmArgs, gemm_args
 from fp8fx.passes.annotation import Fusion, annotate, annotation, update_fusion
 from fp8fx.passes.graph_utils import (
-    DTYPE_CASTS, PassContext, PassResult, add_node, fake_mode_of, k_contiguous, op_args, strip_layout
+    DTYPE_CASTS, PassContext, PassResult, add_node, copy_meta, fake_mode_of, k_contiguous, op_args, strip_layout
 )
 
 aten = torch.ops.aten
@@ -43,6 +43,29 @@ class _Chain:
 
     steps: list = field(default_factory=list)  # (kind, node, extra) in order
     stop: str = "nothing after the GEMM to fuse"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a plan or placement of a fused GEMM was refused: falsy, as Inductor's pattern matcher's
+    `FailedMatch`. `to_inductor`: the epilogue is left to Inductor (`epilogue_to_inductor`), which
+    ends the search with a bare GEMM; any other refusal tries a shorter chain."""
+
+    reason: str
+    to_inductor: bool = False
+
+    def __bool__(self) -> bool:
+        return False
+
+
+def _could_not_join(gemm: fx.Node, final: fx.Node) -> Refusal:
+    """The refusal of a chain ending at `final` that no test of its own explains."""
+    if final is gemm:
+        return Refusal("the GEMM's N is dynamic: the fused kernel's 2-D views need it as a number")
+    return Refusal(
+        f"{final.name} ({final.target}) could not join: it needs a second value kept for "
+        "other users, or an input computed after the GEMM result is needed"
+    )
 
 
 def _shape(node) -> tuple:
@@ -149,8 +172,6 @@ class _Fuser:
         self.fake_mode = fake_mode_of(self.graph)
         self.kernels = kernels
         self.inductor = inductor  # Inductor compiles the graph: it may run the epilogue better
-        self.why: str | None = None  # why the last plan was refused, when plan or place says
-        self.to_inductor = False  # the last refusal: the epilogue is left to Inductor
         self.order = {}
         self._renumber()
 
@@ -161,7 +182,7 @@ class _Fuser:
         return add_node(self.graph, self.fake_mode, target, args, kwargs, tag_from=tag_from)
 
     def plan(self, gemm: fx.Node, steps: list):
-        """(epilogue, inputs, final node, aux node, amax users, absorbed nodes) for `steps`, or None."""
+        """(epilogue, inputs, final node, aux node, amax users, absorbed nodes) for `steps`, or a `Refusal`."""
         bias = ScaledMmArgs.of(gemm).bias
         ep = Epilogue(bias=bias is not None)
         inputs = dict(bias=bias, other=None, residual=None)
@@ -188,7 +209,7 @@ class _Fuser:
         # Values inside the chain that other nodes still use: at most one, stored as aux.
         needed = [n for n in stage_of if n is not final and any(u not in absorbed for u in n.users)]
         if len(needed) > 1 or (needed and stage_of[needed[0]] == "pre_bias"):
-            return None
+            return _could_not_join(gemm, final)
         aux_node = needed[0] if needed else None
         if aux_node is not None:
             # In training graphs an aux output costs saved memory unless it replaces what backward
@@ -197,7 +218,7 @@ class _Fuser:
             # aux outputs of backward GEMMs also raised the saved bytes (bench/saved_memory.py:
             # 0.80x vs 0.64x of fp32 on a Llama). Those chains end before the aux value instead.
             if _is_backward(gemm) or _used_by_backward(final):
-                return None
+                return _could_not_join(gemm, final)
             # Nothing but widening casts after the aux value: the kernel would write the value twice,
             # narrow and wide (bf16 logits and their fp32 copy: 6 bytes an element), and the wide
             # copy outlives it (the lm_head's fp32 logits, saved for the loss's backward: +0.5 GiB at
@@ -205,15 +226,16 @@ class _Fuser:
             # the value as it reads it.
             after = steps[[node for _, node, _ in steps].index(aux_node) + 1 :] if aux_node is not gemm else steps
             if all(kind in ("reshape", "cast") for kind, _, _ in after):
-                self.why = f"{steps[-1][1].name} ({steps[-1][1].target}) left to its consumer: it only widens a value kept for other users"
-                return None
+                last = steps[-1][1]
+                return Refusal(f"{last.name} ({last.target}) left to its consumer: it only widens a value kept for other users")
             ep = replace(ep, aux=stage_of[aux_node])
         if self.inductor and final.meta["val"].dtype.itemsize > gemm.meta["val"].dtype.itemsize:
             # Inductor widens the result as its consumer's kernel reads it, so a GEMM writing the
             # wide copy saves no pass, skips the model's rounding, and what backward keeps of it is
             # kept wide (the lm_head's logits widened for the loss: saved in fp32, twice BF16's bytes).
-            self.why = f"{final.name} ({final.target}) left to its consumer: it widens the result, which Inductor does as it reads it"
-            return None
+            return Refusal(
+                f"{final.name} ({final.target}) left to its consumer: it widens the result, which Inductor does as it reads it"
+            )
         amax_users = [u for u in final.users if u.target == fp8fx_ops.amax.default and list(op_args(u)["block"]) == []]
         if amax_users:
             ep = replace(ep, out_amax=True)
@@ -234,25 +256,20 @@ class _Fuser:
             steps = chain.steps[:length]
             if steps and steps[-1][0] in ("reshape", "cast") and length != full:
                 continue
-            self.why, self.to_inductor = None, False
             planned = self.plan(gemm, steps)
-            fused = self.place(gemm, *planned) if planned is not None else None
-            if fused is None and self.to_inductor:
-                self.place_bare(gemm, stop=f"left to Inductor: {self.why}")
+            fused = self.place(gemm, *planned) if planned else planned
+            if not fused and fused.to_inductor:
+                self.place_bare(gemm, stop=f"left to Inductor: {fused.reason}")
                 return
-            if fused is None:
-                rejected = rejected or self.why or (
-                    f"{steps[-1][1].name} ({steps[-1][1].target}) could not join: it needs a second value kept for "
-                    "other users, or an input computed after the GEMM result is needed"
-                    if steps else "the GEMM's N is dynamic: the fused kernel's 2-D views need it as a number"
-                )
+            if not fused:
+                rejected = rejected or fused.reason
                 continue
             update_fusion(fused, stop=rejected or chain.stop)
             return
         update_fusion(gemm, stop=rejected)  # not even the bare GEMM could be placed: it stays a scaled_mm
 
-    def place(self, gemm, ep: Epilogue, inputs, final, aux_node, amax_users, absorbed) -> fx.Node | None:
-        """The fused node replacing `gemm` and its epilogue, or None when it cannot be placed."""
+    def place(self, gemm, ep: Epilogue, inputs, final, aux_node, amax_users, absorbed) -> fx.Node | Refusal:
+        """The fused node replacing `gemm` and its epilogue, or a `Refusal` when it cannot be placed."""
         g = ScaledMmArgs.of(gemm)
         m, n = _shape(gemm)
         consumers = [u for u in final.users] + ([u for u in aux_node.users if u not in absorbed] if aux_node is not None else [])
@@ -263,18 +280,18 @@ class _Fuser:
             if t is None:
                 continue
             if self.order[t] >= self.order[at]:
-                return None
+                return _could_not_join(gemm, final)
             if not t.meta["val"].is_contiguous():
-                return None
+                return _could_not_join(gemm, final)
         if inputs["bias"] is not None and self.order[inputs["bias"]] >= self.order[at]:
-            return None
+            return _could_not_join(gemm, final)
         if not isinstance(n, int):
-            return None  # a dynamic N: the 2-D views below need it as a number
+            return _could_not_join(gemm, final)  # a dynamic N: the 2-D views below need it as a number
         # The n-D shapes the fused result is viewed back to, as graph arguments (symbolic sizes
         # must come from nodes of the graph, never be baked in as raw SymInts).
         sizes = {node: _size_arg(node, absorbed) for node in (final, aux_node) if node is not None}
         if any(size is None for size in sizes.values()):
-            return None
+            return _could_not_join(gemm, final)
         fp8_cast = inputs["fp8_cast"]
         out_val = (fp8_cast or final).meta["val"]
         aux_dtype = aux_node.meta["val"].dtype if aux_node is not None else final.meta["val"].dtype
@@ -284,10 +301,9 @@ class _Fuser:
         k = a.shape[-1]
         shape = tuple(d if isinstance(d, int) else None for d in (m, n, k))
         if self.inductor and not _nvfp4(gemm):
-            self.why = epilogue_to_inductor(self.kernels, variant, shape, out_val.device)
-            if self.why:
-                self.to_inductor = True
-                return None
+            why = epilogue_to_inductor(self.kernels, variant, shape, out_val.device)
+            if why:
+                return Refusal(why, to_inductor=True)
         kernel, kernel_reason = choose_kernel(self.kernels, variant, shape, out_val.device)
         if _nvfp4(gemm):
             kernel, kernel_reason = NVFP4_KERNEL
@@ -320,9 +336,7 @@ class _Fuser:
             aux = None
             if aux_node is not None:
                 aux = outs[1] if _same_shape(aux_node, (m, n)) else self.add(_reshape_like(aux_node), (outs[1], sizes[aux_node]), tag_from=gemm)
-        for key in ("seq_nr", "autograd_backward", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack"):
-            if key in gemm.meta:
-                fused.meta[key] = gemm.meta[key]
+        copy_meta(gemm, fused)  # the fused GEMM takes the scaled_mm's place
         fusion = Fusion(kernel, kernel_reason, epilogue=ep, absorbed=tuple(n.name for n in absorbed), variant=variant)
         annotate(fused, replace(annotation(gemm), fusion=fusion))
         for u in amax_users:
@@ -349,7 +363,7 @@ class _Fuser:
         split_bias = bias is not None and bias.meta["val"].dtype == gemm.meta["val"].dtype
         inputs = dict(bias=None if split_bias else bias, other=None, residual=None, fp8_cast=None)
         fused = self.place(gemm, replace(PLAIN, bias=not split_bias and bias is not None), inputs, gemm, None, [], [])
-        if fused is None:
+        if not fused:
             update_fusion(gemm, stop=stop)
             return
         if split_bias:
@@ -367,7 +381,7 @@ def _count_memory_passes(graph: fx.Graph) -> None:
     (`inner="eager"`). Added: each operand cast this GEMM is the first to use costs an amax read
     (unless a producer epilogue made the amax), a cast read and a write; an operand that is not
     K-contiguous costs a transposing copy (a read and a write). Under Inductor the casts' share is
-    counted again from the kernels it makes (`fp8fx.compiler.kernel_passes`)."""
+    counted again from the kernels it makes (`fp8fx.compiler.memory_passes`)."""
     charged: set[fx.Node] = set()
     gemms = [n for n in graph.nodes if n.target in (fp8fx_ops.fp8_gemm.default, fp8fx_ops.scaled_mm.default)]
     # Forward GEMMs first: a fused node may sit late in the joint graph, but it runs in forward.

@@ -24,8 +24,7 @@ from torch import fx
 from fp8fx.core.policy import Policy
 from fp8fx.passes.assign_precision import grouped_settings_problem, policy_decision
 from fp8fx.passes.find_matmuls import module_fqn
-
-_COPIED_META = ("nn_module_stack", "source_fn_stack", "stack_trace", "seq_nr")
+from fp8fx.passes.graph_utils import copy_meta
 
 
 def gathered_as_grouped(weight: torch.Tensor, expert_ids: torch.Tensor, x: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -116,7 +115,7 @@ def rewrite_gathered_experts(gm: fx.GraphModule, policy: Policy) -> int:
         gather = bmm.args[1 if transposed else 0]
         with gm.graph.inserting_before(bmm):
             grouped = gm.graph.call_function(gathered_as_grouped, (weight, ids, x, transposed))
-        grouped.meta.update({key: bmm.meta[key] for key in _COPIED_META if key in bmm.meta})
+        copy_meta(bmm, grouped)  # (a Dynamo graph: no partition or backward keys yet)
         bmm.replace_all_uses_with(grouped)
         gm.graph.erase_node(bmm)
         if not gather.users:

@@ -35,6 +35,29 @@ LAYOUT_OPS = {
 TRANSPARENT_OPS = {aten.detach.default, aten.alias.default}
 DTYPE_CASTS = {aten._to_copy.default, prims.convert_element_type.default}
 
+# PyTorch's node-meta keys that say where a node comes from. A node that takes another's place (a
+# GEMM rewritten, fused or grouped) inherits them all, to stay the same op to AOTAutograd, the
+# partitioners and the report:
+#   seq_nr, autograd_backward: its autograd op, and that it runs in backward (find_matmuls and
+#     lower_patch_convs pair a forward op with its backward by seq_nr);
+#   partitioner_tag: forward or backward, which the partitioners read;
+#   nn_module_stack, fwd_nn_module_stack, source_fn_stack, stack_trace: the model's module and line
+#     (policies resolve by module, the report cites the line).
+# `val` is not copied: each node has its own fake value (add_node computes it). Nor is fp8fx's own
+# key (fp8fx.passes.annotation.META_KEY): a GEMM's annotation changes as it moves, through `annotate`.
+PROVENANCE_KEYS = (
+    "seq_nr",
+    "autograd_backward",
+    "partitioner_tag",
+    "nn_module_stack",
+    "fwd_nn_module_stack",
+    "source_fn_stack",
+    "stack_trace",
+)
+# What a node added to serve another (a cast, view or scale of a GEMM's) takes of it: its partition
+# side, module and line, not its autograd op (with the GEMM's seq_nr it would pass for the GEMM).
+HELPER_KEYS = ("partitioner_tag", "stack_trace", "nn_module_stack", "fwd_nn_module_stack")
+
 
 @dataclass
 class PassResult:
@@ -156,18 +179,21 @@ def node_values(arg: Any) -> Any:
     return arg
 
 
+def copy_meta(src: fx.Node, dst: fx.Node, keys: tuple[str, ...] = PROVENANCE_KEYS) -> None:
+    """Give `dst` the entries of `src`'s meta under `keys` that `src` has."""
+    dst.meta.update({key: src.meta[key] for key in keys if key in src.meta})
+
+
 def add_node(graph: fx.Graph, fake_mode, target, args: tuple, kwargs: dict | None = None, *, tag_from: fx.Node) -> fx.Node:
     """Insert `target(*args)` at the graph's current insertion point with a valid `meta["val"]`.
 
     The node takes the partitioner tag (forward / backward), source and module of `tag_from`,
-    the node it serves."""
+    the node it serves (`HELPER_KEYS`)."""
     kwargs = kwargs or {}
     node = graph.call_function(target, args, kwargs)
     with fake_mode:
         node.meta["val"] = target(*node_values(args), **node_values(kwargs))
-    for key in ("partitioner_tag", "stack_trace", "nn_module_stack", "fwd_nn_module_stack"):
-        if key in tag_from.meta:
-            node.meta[key] = tag_from.meta[key]
+    copy_meta(tag_from, node, HELPER_KEYS)
     return node
 
 
@@ -259,7 +285,9 @@ def decompose_nodes(graph: fx.Graph, decompositions: dict, also: dict | None = N
                 if reused and new.op == "call_function":  # each node its own fake value, as if traced here
                     with fake_mode:
                         new.meta["val"] = new.target(*node_values(new.args), **node_values(new.kwargs))
-                new.meta.update({k: node.meta[k] for k in ("partitioner_tag", "stack_trace") if k in node.meta})
+                # An op lowered for Inductor needs only its side (the partitioners read it) and line
+                # (Inductor's provenance tracking cites it): modules were resolved before lowering.
+                copy_meta(node, new, ("partitioner_tag", "stack_trace"))
                 new.meta.update((meta or {}).get(node, {}))
         if isinstance(out, (tuple, list)):  # a multi-output op: its getitems become the outputs themselves
             for user in [u for u in node.users if u.target is operator.getitem]:

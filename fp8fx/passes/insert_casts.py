@@ -37,6 +37,7 @@ from fp8fx.passes.graph_utils import (
     PassContext,
     PassResult,
     add_node,
+    copy_meta,
     fake_mode_of,
     node_values,
     op_args,
@@ -60,10 +61,6 @@ def _swaps(view: fx.Node) -> int:
     if view.target is aten.transpose.int:
         return int(view.args[1] % 2 != view.args[2] % 2)
     return 1
-
-
-# Meta that identifies the replaced GEMM; carried over to the scaled_mm node.
-_CARRIED_META = ("seq_nr", "autograd_backward", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack", "stack_trace")
 
 
 @dataclass
@@ -269,9 +266,7 @@ class _Inserter:
         ).call_args()
         with self.graph.inserting_before(gemm):
             new = self.add(GroupedMmArgs.op(), args, kwargs, tag_from=gemm)
-        for key in _CARRIED_META:
-            if key in gemm.meta:
-                new.meta[key] = gemm.meta[key]
+        copy_meta(gemm, new)  # the FP8 GEMM takes the replaced one's place
         kernel, why = grouped.gpu_kernel(tuple(f.value for f in d.formats), tuple(scales), triton_available())
         annotate(
             new,
@@ -342,9 +337,7 @@ class _Inserter:
         ).call_args()
         with self.graph.inserting_before(gemm):
             new = self.add(ScaledMmArgs.op(), args, kwargs, tag_from=gemm)
-        for key in _CARRIED_META:
-            if key in gemm.meta:
-                new.meta[key] = gemm.meta[key]
+        copy_meta(gemm, new)  # the FP8 GEMM takes the replaced one's place
         annotate(new, replace(ann, state_keys=(qa.state_key, qb.state_key)))
         gemm.replace_all_uses_with(new)
         self.graph.erase_node(gemm)

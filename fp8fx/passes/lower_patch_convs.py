@@ -17,10 +17,13 @@ import math
 from torch import fx
 
 from fp8fx.passes.find_matmuls import conv_params, module_fqn
-from fp8fx.passes.graph_utils import PassContext, PassResult, add_node, aten, fake_mode_of
+from fp8fx.passes.graph_utils import PassContext, PassResult, add_node, aten, copy_meta, fake_mode_of
 
 OP_KIND = "conv_patch"
-_GRAPH_META = ("seq_nr", "autograd_backward")  # what add_node does not carry over
+# Beyond add_node's keys, each node takes the convolution's autograd op (find_matmuls pairs its
+# forward and backward GEMMs by seq_nr), not its source_fn_stack: the nodes are views and mms, not
+# the convolution call that names.
+_CONV_KEYS = ("seq_nr", "autograd_backward")
 
 
 def is_patch_conv(node: fx.Node) -> bool:
@@ -54,7 +57,7 @@ class _Builder:
     def __call__(self, target, *args, gemm: bool = False) -> fx.Node:
         with self.graph.inserting_before(self.at):
             node = add_node(self.graph, self.fake_mode, target, args, tag_from=self.at)
-        node.meta.update({k: self.at.meta[k] for k in _GRAPH_META if k in self.at.meta})
+        copy_meta(self.at, node, _CONV_KEYS)
         if gemm:
             self.lowered[node] = OP_KIND
         return node

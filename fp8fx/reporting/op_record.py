@@ -74,7 +74,7 @@ class OpRecord:
     memory_passes_added: int | None = None
     memory_passes_saved: int | None = None
     transposed_copies: int | None = None  # of the passes added, the operand copies the GEMM makes
-    # "inductor": the casts' passes counted from the kernels Inductor made (fp8fx.compiler.kernel_passes);
+    # "inductor": the casts' passes counted from the kernels Inductor made (fp8fx.compiler.memory_passes);
     # "ops": as the ops run one by one (inner="eager", or a graph served from Inductor's cache).
     memory_passes_from: str | None = None
     # Delayed scaling, read from the model when the report is made:
@@ -158,13 +158,13 @@ class OpRecord:
             flops_hinted=ann.flops_hinted,
         )
 
-    def with_kernel_passes(self, passes) -> OpRecord:
+    def with_memory_pass_counts(self, counts) -> OpRecord:
         """This record with the passes counted from Inductor's kernels, where they were counted
-        (`fp8fx.compiler.kernel_passes.KernelPasses`)."""
-        if self.memory_passes_added is None or not passes.counted(self.role):
+        (`fp8fx.compiler.memory_passes.MemoryPassCounts`)."""
+        if self.memory_passes_added is None or not counts.counted(self.role):
             return self
-        copies = 0 if (self.site, self.role) in passes.laid_out else self.transposed_copies
-        added = passes.passes[(self.site, self.role)] + (copies or 0)
+        copies = 0 if (self.site, self.role) in counts.laid_out else self.transposed_copies
+        added = counts.counts[(self.site, self.role)] + (copies or 0)
         return replace(self, memory_passes_added=added, transposed_copies=copies, memory_passes_from="inductor")
 
     def with_state(self, state) -> OpRecord:

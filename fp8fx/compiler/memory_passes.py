@@ -25,17 +25,17 @@ import torch
 
 from fp8fx.compiler.lowering import CHARGED_TO, EMULATED_GEMMS, LOWERED_FROM
 
-_active: list[KernelPasses] = []
+_active: list[MemoryPassCounts] = []
 
 
-class KernelPasses:
-    """Passes per charged GEMM ((site, role) -> count) over the graphs compiled while counting."""
+class MemoryPassCounts:
+    """Memory passes per charged GEMM ((site, role) -> count) over the graphs compiled while counting."""
 
     def __init__(self, charge=None) -> None:
         # Which GEMM a scheduled node's FP8 work is charged to (`_charge`; a benchmark counting
         # another library's kernels passes its own).
         self.charge = charge or _charge
-        self.passes: Counter = Counter()
+        self.counts: Counter = Counter()
         # Which graphs Inductor scheduled: "forward" (or inference) and "backward"; a graph served
         # from its cache is not scheduled, and its GEMMs keep the passes' estimate.
         self.scheduled: set[str] = set()
@@ -71,14 +71,14 @@ class KernelPasses:
             for part, charge in charges.items():
                 for dep in part.read_writes.writes if charge else ():
                     outlives = dep.name in outputs or kernels_reading[dep.name] > (dep.name in read_by[kernel])
-                    self.passes[charge] += large(dep) and outlives
+                    self.counts[charge] += large(dep) and outlives
             part_reads = {p: {d.name for d in p.read_writes.reads} for p in parts}
             # One pass per tensor a kernel reads, however many indices it reads it at (a rotary
             # embedding's gradient reads both halves of each row).
             for dep in {d.name: d for d in kernel.read_writes.reads}.values():
                 readers = [p for p in parts if dep.name in part_reads[p]]
                 if large(dep) and readers and all(charges[p] for p in readers):
-                    self.passes[charges[readers[0]]] += 1
+                    self.counts[charges[readers[0]]] += 1
 
 
 def _charge(part) -> tuple[str, str] | None:
@@ -126,25 +126,25 @@ if CustomSchedulerPass is not None:
             # fp8fx's lowering, whose meta (op tags, charges) the graph's code does not show.
             from fp8fx.compiler.cache import source_digest
 
-            return f"fp8fx.compiler.kernel_passes/{source_digest()}"
+            return f"fp8fx.compiler.memory_passes/{source_digest()}"
 
-    SCHEDULER_PASS = CountAfterFusion()
+    SCHEDULER_HOOK = CountAfterFusion()
 else:
-    SCHEDULER_PASS = count_after_fusion
+    SCHEDULER_HOOK = count_after_fusion
 
 
 @contextlib.contextmanager
-def counting(passes: KernelPasses, graph: str, min_numel: int) -> Iterator[None]:
+def counting(counts: MemoryPassCounts, graph: str, min_numel: int) -> Iterator[None]:
     """Count the kernels of the `graph` ("forward" | "backward") Inductor compiles inside into
-    `passes`; tensors of at least `min_numel` elements are operand-sized."""
+    `counts`; tensors of at least `min_numel` elements are operand-sized."""
     from torch._inductor import config
 
-    passes.graph, passes.min_numel = graph, min_numel
-    _active.append(passes)
+    counts.graph, counts.min_numel = graph, min_numel
+    _active.append(counts)
     try:
-        with config.patch(_post_fusion_custom_pass=SCHEDULER_PASS):
+        with config.patch(_post_fusion_custom_pass=SCHEDULER_HOOK):
             yield
     finally:
         _active.pop()
-    if passes.after_compile is not None:
-        passes.after_compile()
+    if counts.after_compile is not None:
+        counts.after_compile()
