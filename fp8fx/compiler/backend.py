@@ -5,7 +5,8 @@ before it is partitioned, so a site's output, grad_input and grad_weight GEMMs a
 together and backward can consume the FP8 tensors forward made. Inference graphs (no grad) are
 rewritten alone. With `inner="eager"` fp8fx drives aot_autograd itself (partition_fn and
 inference_compiler hooks); with `inner="inductor"` it runs as Inductor's joint-graph pre-pass,
-which Inductor calls on training joint graphs and inference graphs alike.
+which Inductor calls on training joint graphs and inference graphs alike. The stages a graph goes
+through, and their passes in order, are listed in `fp8fx.compiler.pipeline`.
 """
 
 from __future__ import annotations
@@ -28,26 +29,17 @@ import fp8fx.ops  # noqa: F401  (registers the fp8fx::* operators)
 from fp8fx.codegen.dispatch import triton_available
 from fp8fx.codegen.variants import device_target
 from fp8fx.compiler import cache
-from fp8fx.compiler.kernel_passes import KernelPasses, counting
-from fp8fx.compiler.lowering import (
-    drop_partition_copies,
-    lay_out_operands,
-    let_backward_cast_again,
-    lower_casts,
-    lower_elementwise,
-    operand_numels,
-)
-from fp8fx.compiler.ordering import input_gradients_first
+from fp8fx.compiler.kernel_passes import KernelPasses
+from fp8fx.compiler.pipeline import BEFORE_AOT, EAGER_AFTER_PARTITION, EAGER_JOINT, JOINT, REWRITE, StageContext
+from fp8fx.compiler.pipeline import compile_partitioned
 from fp8fx.compiler.state import Fp8State, StateInstance, instance_keys, locate
 from fp8fx.core.patterns import BY_TARGET, OPAQUE
 from fp8fx.core.policy import Policy
 from fp8fx.ops import delayed as delayed_ops
-from fp8fx.passes import REWRITE_PASSES, PassContext, run_passes
+from fp8fx.passes import PassContext, run_passes
 from fp8fx.passes.annotation import annotations
-from fp8fx.passes.gathered_experts import rewrite_gathered_experts
-from fp8fx.passes.graph_utils import DelayedInputs, Taps, decompose_nodes
-from fp8fx.passes.options import INNER_COMPILERS, BackendOptions
-from fp8fx.passes.saved_outputs import recompute_at_first_use
+from fp8fx.passes.graph_utils import DelayedInputs, Taps
+from fp8fx.passes.options import INNER_COMPILERS, BackendOptions  # noqa: F401  (INNER_COMPILERS: re-exported)
 from fp8fx.reporting.records import OpRecord, Report
 from fp8fx.reporting.traffic import non_gemm_bytes, saved_activation_bytes
 from fp8fx.reporting.uncaptured import find_uncaptured
@@ -280,7 +272,7 @@ class Fp8fxBackend:
         _refuse_dtensors(example_inputs)
         for device in {x.device for x in example_inputs if isinstance(x, torch.Tensor) and x.device.type == "cuda"}:
             device_target(device)  # one clear error for a ROCm GPU or one without FP8 tensor cores
-        rewrite_gathered_experts(gm, self.options.policy)  # before aot_autograd derives the backward from it
+        gm = BEFORE_AOT(gm, StageContext(options=self.options))  # (with delayed scaling, a copy taking the handle too)
         positions = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.nn.Parameter)]
         param_objs = [example_inputs[i] for i in positions]
         rewrite = _Rewrite(self, [weakref.ref(p) for p in param_objs], frozenset(positions))
@@ -303,7 +295,7 @@ class Fp8fxBackend:
         handle = torch.zeros(1, dtype=torch.int64)
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
         example = fake_mode.from_tensor(handle, static_shapes=True) if fake_mode else handle
-        compiled = compile_fn(_with_handle_input(gm), [*example_inputs, example], rewrite)
+        compiled = compile_fn(gm, [*example_inputs, example], rewrite)
         needed = {key: length for g in self.graphs[first:] for key, length in g.delayed_states.items()}
         if not needed:  # no GEMM of this graph casts with delayed scaling
             return lambda *args: compiled(*args, handle)
@@ -372,7 +364,7 @@ class Fp8fxBackend:
             options=self.options, overrides=dict(self.overrides), param_inputs=param_inputs, taps=taps, delayed=delayed,
             inference=kind == "inference",
         )
-        gm = run_passes(gm, ctx, REWRITE_PASSES)
+        gm = run_passes(gm, ctx, REWRITE.passes, stage=REWRITE.name)
         index = len(self.graphs)
         ops = [OpRecord.make(index, kind, ann) for ann in annotations(gm.graph)]
         self.graphs.append(GraphRecord(index, kind, ops, params, state, traffic, delayed_states=ctx.delayed_states))
@@ -387,8 +379,10 @@ class Fp8fxBackend:
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+        ctx = StageContext(options=self.options, rewrite=rewrite)
+
         def partition_fn(joint_gm, joint_inputs, **kwargs):
-            rewrite(joint_gm)
+            EAGER_JOINT(joint_gm, ctx)
             forward, backward = min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
             record = self.graphs[-1]
             record.saved_bytes = saved_activation_bytes(forward, kwargs["num_fwd_outputs"])
@@ -396,9 +390,9 @@ class Fp8fxBackend:
 
         def boxed(kind: str):
             def compiler(gm, _inputs):
-                gm = rewrite(gm) if kind == "inference" else gm
-                if kind == "backward":
-                    recompute_at_first_use(gm)
+                graph_ctx = replace(ctx, graph=kind)
+                gm = EAGER_JOINT(gm, graph_ctx) if kind == "inference" else gm
+                gm = EAGER_AFTER_PARTITION(gm, graph_ctx)
                 self._keep(kind, gm)
                 return make_boxed_func(gm)
 
@@ -416,14 +410,10 @@ class Fp8fxBackend:
         records_key = cache.graph_key(key, gm, example_inputs) if key is not None else None
         first = len(self.graphs)
         passes = KernelPasses()
-        with (
-            cache.kept_whole(KEPT_WHOLE) as decompositions,
-            inductor_config.patch(joint_custom_pre_pass=_InductorJointPass(rewrite, decompositions)),
-        ):
-            inner = functools.partial(
-                _inductor_compile_graph, kept_whole=decompositions, cublas_devices=self.options.cublas_devices, passes=passes
-            )
-            compiled = compile_fx(gm, example_inputs, inner_compile=inner)
+        with cache.kept_whole(KEPT_WHOLE) as decompositions:
+            ctx = StageContext(options=self.options, rewrite=rewrite, kept_whole=decompositions, kernel_passes=passes)
+            with inductor_config.patch(joint_custom_pre_pass=_InductorJointPass(ctx)):
+                compiled = compile_fx(gm, example_inputs, inner_compile=functools.partial(compile_partitioned, ctx=ctx))
         made = self.graphs[first:]
         for g in made:  # (a backward Inductor compiles later is counted when it does: the report reads the counts)
             g.kernel_passes = passes
@@ -457,16 +447,6 @@ for _option in fields(BackendOptions):  # each option reads as an attribute of t
         setattr(Fp8fxBackend, _option.name, _read_option(_option.name))
 
 
-def _with_handle_input(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of Dynamo's graph that takes one more input at the end: delayed scaling's handle."""
-    gm = copy.deepcopy(gm)
-    last = [p for p in gm.graph.nodes if p.op == "placeholder"][-1]
-    with gm.graph.inserting_after(last):
-        gm.graph.placeholder("fp8fx_delayed_handle")._dynamo_source = None
-    gm.recompile()
-    return gm
-
-
 class _Rewrite:
     """The rewrite bound to one Dynamo graph (its parameters and, with delayed scaling, the model's state)."""
 
@@ -484,52 +464,18 @@ class _Rewrite:
         return cache.pass_key({"backend": key, "params": sorted(self.param_inputs), "group": group}) if key else None
 
 
-def _inductor_compile_graph(
-    gm: fx.GraphModule,
-    example_inputs,
-    *,
-    kept_whole: dict,
-    cublas_devices: tuple[str, ...] = ("cuda",),
-    passes: KernelPasses | None = None,
-    **kwargs,
-):
-    """Inductor's compile of one partitioned graph. A backward graph first gets its recomputed
-    values moved to their first use, as with inner="eager": Inductor keeps its opaque ops (the FP8
-    GEMMs) in graph order, so the partitioner's order made backward recompute every layer's values
-    (and cast every weight again, weight_fp8="recompute") before its first GEMM. Then GEMM operands
-    get the K-major layout the tensor cores read, and the amaxes, scales and casts become
-    ATen ops for Inductor to fuse (`fp8fx.compiler.lowering`), and the
-    memory passes of the kernels it makes of them are counted into `passes`."""
-    from torch._inductor.compile_fx import compile_fx_inner
-
-    drop_partition_copies(gm)
-    if kwargs.get("is_backward"):
-        recompute_at_first_use(gm)
-    numels = operand_numels(gm)
-    laid_out = lay_out_operands(gm, cublas_devices)
-    if passes is not None:
-        passes.laid_out |= laid_out
-    lower_elementwise(gm, kept_whole, cublas_devices)
-    if passes is None or not numels:
-        return compile_fx_inner(gm, example_inputs, **kwargs)
-    with counting(passes, "backward" if kwargs.get("is_backward") else "forward", max(1, min(numels) // 4)):
-        return compile_fx_inner(gm, example_inputs, **kwargs)
-
-
 class _InductorJointPass(CustomGraphPass):
-    def __init__(self, rewrite: _Rewrite, decompositions: dict):
-        self.rewrite, self.decompositions = rewrite, decompositions  # the ops kept whole for the FP8 passes
+    """Inductor's joint-graph pre-pass: the `JOINT` stage (`fp8fx.compiler.pipeline`), in place."""
+
+    def __init__(self, ctx: StageContext):
+        self.ctx = ctx
 
     def __call__(self, graph: fx.Graph) -> None:
-        self.rewrite(graph.owning_module)
-        decompose_nodes(graph, self.decompositions)
-        lower_casts(graph, self.decompositions)
-        let_backward_cast_again(graph)
-        input_gradients_first(graph)
+        JOINT(graph.owning_module, self.ctx)
 
     def uuid(self) -> str | None:
         # With a key, a cached compile skips the pass; the backend then reads its records back.
-        return self.rewrite.pass_key()
+        return self.ctx.rewrite.pass_key()
 
 
 DEFAULT_BACKEND = Fp8fxBackend()  # what `backend="fp8fx"` resolves to (entry point)

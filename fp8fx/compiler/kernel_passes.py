@@ -42,6 +42,9 @@ class KernelPasses:
         self.min_numel = 0  # the smallest operand-sized tensor of the graph being compiled
         self.graph = "forward"
         self.after_compile = None  # called after each graph counted (a backward compiles after the forward has run)
+        # What runs on the fused kernels of the graph being compiled in place of `count` (fp8fx's
+        # `AFTER_FUSION` stage, which counts them); None: `count`.
+        self.after_fusion = None
         # The GEMMs (site, role) whose operands the graph lays out, so that their launchers copy
         # nothing (fp8fx.compiler.lowering.lay_out_operands).
         self.laid_out: set[tuple[str, str]] = set()
@@ -106,7 +109,8 @@ def computes(origin) -> bool:
 
 def count_after_fusion(kernels: list) -> list:
     if _active:
-        _active[-1].count(kernels)
+        active = _active[-1]
+        (active.after_fusion or active.count)(kernels)
     return kernels
 
 
@@ -134,17 +138,19 @@ else:
 
 
 @contextlib.contextmanager
-def counting(passes: KernelPasses, graph: str, min_numel: int) -> Iterator[None]:
+def counting(passes: KernelPasses, graph: str, min_numel: int, after_fusion=None) -> Iterator[None]:
     """Count the kernels of the `graph` ("forward" | "backward") Inductor compiles inside into
-    `passes`; tensors of at least `min_numel` elements are operand-sized."""
+    `passes`; tensors of at least `min_numel` elements are operand-sized. `after_fusion(kernels)`,
+    if given, runs on the fused kernels instead of `passes.count` (and counts them)."""
     from torch._inductor import config
 
-    passes.graph, passes.min_numel = graph, min_numel
+    passes.graph, passes.min_numel, passes.after_fusion = graph, min_numel, after_fusion
     _active.append(passes)
     try:
         with config.patch(_post_fusion_custom_pass=SCHEDULER_PASS):
             yield
     finally:
         _active.pop()
+        passes.after_fusion = None
     if passes.after_compile is not None:
         passes.after_compile()

@@ -24,13 +24,15 @@ SEED = 20261126
 
 def lowered_by_inductor(fn, *args):
     """`fn`'s fp8fx ops compiled by Inductor as the fp8fx backend compiles what its passes leave
-    (fp8fx.compiler.backend._inductor_compile_graph); returns (outputs, Inductor's code)."""
+    (fp8fx.compiler.pipeline.compile_partitioned); returns (outputs, Inductor's code)."""
     from torch._inductor.compile_fx import compile_fx
 
-    from fp8fx.compiler.backend import _inductor_compile_graph
+    from fp8fx.compiler.pipeline import StageContext, compile_partitioned
+    from fp8fx.passes.options import BackendOptions
 
     def backend(gm, inputs):
-        return compile_fx(gm, inputs, inner_compile=functools.partial(_inductor_compile_graph, kept_whole={}))
+        ctx = StageContext(options=BackendOptions())
+        return compile_fx(gm, inputs, inner_compile=functools.partial(compile_partitioned, ctx=ctx))
 
     torch._dynamo.reset()
     return run_and_get_code(torch.compile(fn, backend=backend, fullgraph=True), *args)
@@ -83,11 +85,9 @@ def lowered_step_graphs(
 ) -> list[torch.fx.GraphModule]:
     """The graphs (forward, backward) Inductor gets from one training step of the one-layer Llama
     in `dtype`, with their fp8fx ops lowered to ATen ops (`cublas_devices`: the backend option)."""
-    import fp8fx.compiler.backend as fp8fx_backend
-
     graphs = []
-    lower = fp8fx_backend.lower_elementwise
-    monkeypatch.setattr(fp8fx_backend, "lower_elementwise", lambda gm, *args: (graphs.append(gm), lower(gm, *args))[1])
+    lower = lowering.lower_elementwise
+    monkeypatch.setattr(lowering, "lower_elementwise", lambda gm, *args: (graphs.append(gm), lower(gm, *args))[1])
     model = one_layer_llama().to(dtype)
     ids = torch.randint(0, 512, (2, 16))
     backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor", cublas_devices=cublas_devices)

@@ -7,7 +7,6 @@ import torch
 from helpers import CUBLAS_ROWWISE
 
 import fp8fx
-import fp8fx.compiler.backend as fp8fx_backend
 from fp8fx.compiler import lowering
 from fp8fx.passes.annotation import annotation
 
@@ -32,14 +31,14 @@ def test_each_input_gradient_runs_before_its_weight_gradient(recipe, monkeypatch
     from SiLU's backward, which reads the same sigmoid; Inductor then kept it across the GEMM. Each
     recompute (SiLU's `exp`) now follows the down projection's input gradient."""
     backward = []
-    lower = fp8fx_backend.lower_elementwise
+    lower = lowering.lower_elementwise
 
     def record(gm, *args):
         if any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes):
             backward.extend(gm.graph.nodes)
         return lower(gm, *args)
 
-    monkeypatch.setattr(fp8fx_backend, "lower_elementwise", record)
+    monkeypatch.setattr(lowering, "lower_elementwise", record)
     model = torch.nn.Sequential(GatedMLP(), GatedMLP()).to(torch.bfloat16)
     policy = fp8fx.Policy.from_recipe(recipe)
     backend = fp8fx.backend(policy=policy, inner="inductor", cublas_devices=("cpu", "cuda"))  # the graph a GPU runs
