@@ -43,7 +43,7 @@ def compiled_grads(model, inputs, backend) -> dict[str, torch.Tensor]:
     return grads(model, torch.compile(model, backend=backend), inputs)
 
 
-def measure(name: str, recipes: list[str]) -> dict:
+def measure(name: str, recipes: list[str], cublas_devices: tuple[str, ...] = ("cuda",)) -> dict:
     model_type, auto, overrides, kind = ARCHITECTURES[name]
     model = build(model_type, auto, overrides).eval()
     inputs = make_inputs(kind, model.config)
@@ -57,7 +57,7 @@ def measure(name: str, recipes: list[str]) -> dict:
         policy = fp8fx.Policy.from_recipe(recipe)
         try:
             eager = compiled_grads(model, inputs, fp8fx.backend(policy=policy, inner="eager"))
-            backend = fp8fx.backend(policy=policy, inner="inductor")
+            backend = fp8fx.backend(policy=policy, inner="inductor", cublas_devices=cublas_devices)
             inductor = compiled_grads(model, inputs, backend)
         except Exception as e:  # noqa: BLE001 - one line per failure, then plain Inductor to place it
             try:
@@ -85,10 +85,6 @@ def main() -> None:
     unknown = [n for n in names if n not in ARCHITECTURES]
     if unknown:
         parser.error(f"unknown architecture(s) {', '.join(unknown)}; known: {', '.join(ARCHITECTURES)}")
-    if args.cublas:
-        from fp8fx.compiler import lowering
-
-        lowering.CUBLAS_DEVICES = (*lowering.CUBLAS_DEVICES, "cpu")
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     import transformers
@@ -98,7 +94,7 @@ def main() -> None:
     results = {}
     for name in names:
         try:
-            results[name] = measure(name, args.recipes.split(","))
+            results[name] = measure(name, args.recipes.split(","), ("cuda", "cpu") if args.cublas else ("cuda",))
         except Exception as e:  # noqa: BLE001 - the model did not build or run without FP8
             results[name] = {"error": one_line(e)}
             print(f"{name:<14} error: {one_line(e)}", flush=True)

@@ -143,6 +143,11 @@ def scheduled_by_triton(counts: list):
         yield
 
 
+def cublas_devices(args) -> tuple[str, ...]:
+    """The backend option `cublas_devices`: with --cublas, the GEMMs a GPU gives cuBLAS are `aten._scaled_mm` on CPU too."""
+    return ("cuda", "cpu") if args.cublas else ("cuda",)
+
+
 def count_triton_scheduled(recipe: str, args) -> dict:
     """The passes and kernels (forward, backward) of one training step's graphs, as Inductor's
     Triton backend fuses them (`scheduled_by_triton`): fp8fx's graphs with their cuBLAS GEMMs as
@@ -155,7 +160,9 @@ def count_triton_scheduled(recipe: str, args) -> dict:
             compiled, torchao_counts = torch.compile(model), MemoryPassCounts(charge=torchao_charge)
         else:
             model, ids = llama(args)
-            compiled = torch.compile(model, backend=fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor"))
+            policy = fp8fx.Policy.from_recipe(recipe)
+            backend = fp8fx.backend(policy=policy, inner="inductor", cublas_devices=cublas_devices(args))
+            compiled = torch.compile(model, backend=backend)
         with contextlib.ExitStack() as stack:
             if torchao:
                 stack.enter_context(counting(torchao_counts, "forward", operand_numel(model, args) // 4))
@@ -184,7 +191,8 @@ def count(recipe: str, args) -> dict:
     if recipe.startswith("torchao-"):
         return count_torchao(recipe.removeprefix("torchao-"), args)
     model, ids = llama(args)
-    backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor", kernels=args.kernels)
+    policy = fp8fx.Policy.from_recipe(recipe)
+    backend = fp8fx.backend(policy=policy, inner="inductor", kernels=args.kernels, cublas_devices=cublas_devices(args))
     compiled = torch.compile(model, backend=backend)
 
     def step():
@@ -218,10 +226,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.scheduler == "triton" and not (args.cublas and args.device == "cpu"):
         ap.error("--scheduler triton counts the graph a GPU runs on CPU tensors: it needs --cublas and --device cpu")
-    if args.cublas:
-        from fp8fx.compiler import lowering
-
-        lowering.CUBLAS_DEVICES = (*lowering.CUBLAS_DEVICES, "cpu")
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     rows = [count(recipe, args) for recipe in args.recipes.split(",")]

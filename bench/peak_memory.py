@@ -21,12 +21,11 @@ import collections
 import contextlib
 
 import torch
-from fusion_counts import gpu_realize_rule, llama, torchao_llama  # the same Llama, and torchao's conversion of it
+from fusion_counts import cublas_devices, gpu_realize_rule, llama, torchao_llama  # the same Llama, and torchao's conversion of it
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 import fp8fx
-from fp8fx.compiler import lowering
 
 SCALED_MM = "aten::_scaled_mm"
 
@@ -50,7 +49,8 @@ def compiled_step(variant: str, args) -> tuple[torch.nn.Module, torch.nn.Module]
     model, _ = torchao_llama(recipe, args) if kind == "torchao" else llama(args)
     model = model.to(torch.bfloat16)
     if kind == "fp8fx":
-        return model, torch.compile(Loss(model), backend=fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor"))
+        backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor", cublas_devices=cublas_devices(args))
+        return model, torch.compile(Loss(model), backend=backend)
     return model, torch.compile(Loss(model))
 
 
@@ -107,8 +107,9 @@ def main() -> None:
     ap.add_argument("--variants", default="bf16,fp8fx-tensorwise,fp8fx-rowwise,torchao-tensorwise,torchao-rowwise")
     ap.add_argument("--cpu-realize", action="store_true", help="store values as Inductor does on a CPU, not as on a GPU")
     args = ap.parse_args()
-    args.device, args.cublas = "cpu", True  # (what fusion_counts' models read: torchao's GEMMs `_scaled_mm` calls too)
-    lowering.CUBLAS_DEVICES = (*lowering.CUBLAS_DEVICES, "cpu")  # the GEMMs a GPU gives cuBLAS, as `aten._scaled_mm`
+    # (what fusion_counts' models and fp8fx's backends read: torchao's GEMMs `_scaled_mm` calls too, and
+    # fp8fx's GEMMs a GPU gives cuBLAS are `aten._scaled_mm`)
+    args.device, args.cublas = "cpu", True
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))

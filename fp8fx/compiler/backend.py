@@ -5,16 +5,18 @@ before it is partitioned, so a site's output, grad_input and grad_weight GEMMs a
 together and backward can consume the FP8 tensors forward made. Inference graphs (no grad) are
 rewritten alone. With `inner="eager"` fp8fx drives aot_autograd itself (partition_fn and
 inference_compiler hooks); with `inner="inductor"` it runs as Inductor's joint-graph pre-pass,
-which Inductor calls on training joint graphs and inference graphs alike.
+which Inductor calls on training joint graphs and inference graphs alike. The stages a graph goes
+through, and their passes in order, are listed in `fp8fx.compiler.pipeline`.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import warnings
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,26 +29,17 @@ import fp8fx.ops  # noqa: F401  (registers the fp8fx::* operators)
 from fp8fx.codegen.dispatch import triton_available
 from fp8fx.codegen.variants import device_target
 from fp8fx.compiler import cache
-from fp8fx.compiler.memory_passes import MemoryPassCounts, counting
-from fp8fx.compiler.lowering import (
-    drop_partition_copies,
-    lay_out_operands,
-    let_backward_cast_again,
-    lower_casts,
-    lower_elementwise,
-    operand_numels,
-)
-from fp8fx.compiler.ordering import input_gradients_first
+from fp8fx.compiler.memory_passes import MemoryPassCounts
+from fp8fx.compiler.pipeline import BEFORE_AOT, EAGER_AFTER_PARTITION, EAGER_JOINT, JOINT, REWRITE, StageContext
+from fp8fx.compiler.pipeline import compile_partitioned
 from fp8fx.compiler.state import Fp8State, StateInstance, instance_keys, locate
 from fp8fx.core.patterns import BY_TARGET, OPAQUE
 from fp8fx.core.policy import Policy
-from fp8fx.core.policy_yaml import as_policy
 from fp8fx.ops import delayed as delayed_ops
-from fp8fx.passes import REWRITE_PASSES, PassContext, run_passes
+from fp8fx.passes import PassContext, run_passes
 from fp8fx.passes.annotation import annotations
-from fp8fx.passes.gathered_experts import rewrite_gathered_experts
-from fp8fx.passes.graph_utils import DelayedInputs, Taps, decompose_nodes
-from fp8fx.passes.saved_outputs import recompute_at_first_use
+from fp8fx.passes.graph_utils import DelayedInputs, Taps
+from fp8fx.passes.options import INNER_COMPILERS, BackendOptions  # noqa: F401  (INNER_COMPILERS: re-exported)
 from fp8fx.reporting.op_record import OpRecord
 from fp8fx.reporting.records import Report
 from fp8fx.reporting.traffic import non_gemm_bytes, saved_activation_bytes
@@ -54,9 +47,6 @@ from fp8fx.reporting.uncaptured import find_uncaptured
 from fp8fx.runtime.monitor import Monitor
 from fp8fx.runtime.numerics import NumericsCollector
 from fp8fx.runtime.shadow import ShadowChecks
-
-INNER_COMPILERS = ("inductor", "eager")
-
 
 @dataclass
 class DynamoGraph:
@@ -151,9 +141,6 @@ def _graph_kind(gm: fx.GraphModule) -> str:
     return "training" if is_joint else "inference"
 
 
-KERNELS = ("auto", "triton", "scaled_mm")  # see fp8fx.codegen.dispatch.choose_kernel
-SAVED_OUTPUTS = ("bf16", "high")  # see fp8fx.passes.saved_outputs
-WEIGHT_FP8 = ("auto", "keep", "recompute")  # see fp8fx.passes.insert_casts
 FUSABLE_ACTIVATIONS = (torch.ops.aten.gelu.default, torch.ops.aten.silu.default)
 # Ops that reach the FP8 passes whole under Inductor: activations, to fuse them into epilogues, and
 # matrix products, which Inductor's table turns into elementwise code when a dimension is 1 (mv,
@@ -164,51 +151,20 @@ KEPT_WHOLE = (*FUSABLE_ACTIVATIONS, *BY_TARGET, *OPAQUE)
 class Fp8fxBackend:
     """A `torch.compile` backend that runs matmuls in FP8 by policy and records every decision."""
 
-    def __init__(
-        self,
-        policy: Policy | str | Path | None = None,
-        inner: str = "inductor",
-        keep_graphs: bool = False,
-        fuse_epilogues: bool = True,
-        kernels: str = "auto",
-        monitor_every: int = 0,
-        saved_outputs: str = "bf16",
-        weight_fp8: str = "auto",
-    ):
-        if inner not in INNER_COMPILERS:
-            raise ValueError(f"fp8fx.backend: inner must be one of {', '.join(INNER_COMPILERS)}, got {inner!r}")
-        if kernels not in KERNELS:
-            raise ValueError(f"fp8fx.backend: kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
-        if kernels == "triton" and not triton_available():
-            raise RuntimeError("fp8fx.backend(kernels='triton') needs Triton, which is not installed here; use kernels='auto'")
-        if saved_outputs not in SAVED_OUTPUTS:
-            raise ValueError(f"fp8fx.backend: saved_outputs must be one of {', '.join(SAVED_OUTPUTS)}, got {saved_outputs!r}")
-        if weight_fp8 not in WEIGHT_FP8:
-            raise ValueError(f"fp8fx.backend: weight_fp8 must be one of {', '.join(WEIGHT_FP8)}, got {weight_fp8!r}")
-        self.fuse_epilogues = fuse_epilogues
-        self.kernels = kernels
-        self.saved_outputs = saved_outputs
-        self.policy = policy = as_policy(policy, "fp8fx.backend")
-        if weight_fp8 == "auto":  # delayed scaling cannot cast again in backward (see below)
-            weight_fp8 = "keep" if policy.uses_delayed_scaling else "recompute"
-        self.weight_fp8 = weight_fp8
-        if weight_fp8 == "recompute" and policy.uses_delayed_scaling:  # the state moves on at the end of forward
-            raise ValueError(
-                "fp8fx.backend: weight_fp8='recompute' needs dynamic scaling: with delayed scaling backward would "
-                "cast the weight with the scale updated after forward"
-            )
-        self.inner = inner
-        # Plan epilogues for Inductor (fp8fx.analyze traces eagerly but plans what a compile does).
-        self.epilogues_to_inductor = inner == "inductor"
+    def __init__(self, options: BackendOptions | None = None, **kwargs: Any):
+        """Built from `options`, or from `BackendOptions`'s keyword arguments (those of `fp8fx.backend`)."""
+        if options is not None and kwargs:
+            raise TypeError("Fp8fxBackend: give a BackendOptions or its keyword arguments, not both")
+        self.options = options if options is not None else BackendOptions(**kwargs)
+        policy = self.options.policy
         self.graphs: list[GraphRecord] = []
         # With inner="eager" and keep_graphs, the rewritten graphs as they run, for inspection:
         # ("forward" | "backward" | "inference", GraphModule).
-        self.keep_graphs = keep_graphs
         self.kept_graphs: list[tuple[str, fx.GraphModule]] = []
         # Set by fp8fx.analyze with numerics: the collector its probes register with.
         self.numerics: NumericsCollector | None = None
         # The runtime monitor (fp8fx.stats): every cast sampled every `monitor_every` calls.
-        self.monitor = Monitor(monitor_every) if monitor_every else None
+        self.monitor = Monitor(self.options.monitor_every) if self.options.monitor_every else None
         # Shadow checks (policy `shadow`), the GEMMs they switched to high precision, and a
         # counter of switches that tells compiled graphs to rebuild.
         self.shadow = ShadowChecks(policy.shadow, self._switch) if policy.shadow is not None else None
@@ -286,8 +242,18 @@ class Fp8fxBackend:
         if self.monitor is not None or self.shadow is not None or self.numerics is not None:
             return None
         # Kernel choices also depend on whether Triton imports here and on the GPUs' measured tables.
-        options = {"policy": self.policy.to_dict(), "fuse_epilogues": self.fuse_epilogues, "kernels": self.kernels, "saved_outputs": self.saved_outputs,
-                   "weight_fp8": self.weight_fp8, "overrides": sorted(self.overrides.items()), "triton": triton_available(), "tables": cache.tables_digest()}  # fmt: skip
+        o = self.options
+        options = {
+            "policy": o.policy.to_dict(),
+            "fuse_epilogues": o.fuse_epilogues,
+            "kernels": o.kernels,
+            "saved_outputs": o.saved_outputs,
+            "weight_fp8": o.weight_fp8,
+            "cublas_devices": list(o.cublas_devices),  # what the lowering after partitioning gives cuBLAS
+            "overrides": sorted(self.overrides.items()),
+            "triton": triton_available(),
+            "tables": cache.tables_digest(),
+        }
         return cache.pass_key(options)
 
     def _switch(self, site: str, role: str, reason: str) -> None:
@@ -299,12 +265,12 @@ class Fp8fxBackend:
         _refuse_dtensors(example_inputs)
         for device in {x.device for x in example_inputs if isinstance(x, torch.Tensor) and x.device.type == "cuda"}:
             device_target(device)  # one clear error for a ROCm GPU or one without FP8 tensor cores
-        rewrite_gathered_experts(gm, self.policy)  # before aot_autograd derives the backward from it
+        gm = BEFORE_AOT(gm, StageContext(options=self.options))  # (with delayed scaling, a copy taking the handle too)
         positions = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.nn.Parameter)]
         param_objs = [example_inputs[i] for i in positions]
         rewrite = _Rewrite(self, [weakref.ref(p) for p in param_objs], frozenset(positions))
-        compile_fn = self._compile_eager if self.inner == "eager" else self._compile_inductor
-        if self.policy.uses_delayed_scaling:
+        compile_fn = self._compile_eager if self.options.inner == "eager" else self._compile_inductor
+        if self.options.policy.uses_delayed_scaling:
             compiled = self._build_delayed(gm, example_inputs, rewrite, compile_fn, param_objs, positions)
         else:
             compiled = compile_fn(gm, example_inputs, rewrite)
@@ -322,7 +288,7 @@ class Fp8fxBackend:
         handle = torch.zeros(1, dtype=torch.int64)
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
         example = fake_mode.from_tensor(handle, static_shapes=True) if fake_mode else handle
-        compiled = compile_fn(_with_handle_input(gm), [*example_inputs, example], rewrite)
+        compiled = compile_fn(gm, [*example_inputs, example], rewrite)
         needed = {key: length for g in self.graphs[first:] for key, length in g.delayed_states.items()}
         if not needed:  # no GEMM of this graph casts with delayed scaling
             return lambda *args: compiled(*args, handle)
@@ -384,19 +350,21 @@ class Fp8fxBackend:
             graph_index=len(self.graphs),
         )
         delayed = None
-        if self.policy.uses_delayed_scaling:
+        if self.options.policy.uses_delayed_scaling:
             handle = [n for n in gm.graph.nodes if n.op == "placeholder" and not str(n.target).startswith("tangents")][-1]
             delayed = DelayedInputs(handle, _amax_group_name(state))
-        ctx = PassContext(self.policy, self.fuse_epilogues, self.kernels, dict(self.overrides), param_inputs, taps, delayed, self.saved_outputs,
-                          self.weight_fp8, self.epilogues_to_inductor, inference=kind == "inference")  # fmt: skip
-        gm = run_passes(gm, ctx, REWRITE_PASSES)
+        ctx = PassContext(
+            options=self.options, overrides=dict(self.overrides), param_inputs=param_inputs, taps=taps, delayed=delayed,
+            inference=kind == "inference",
+        )
+        gm = run_passes(gm, ctx, REWRITE.passes, stage=REWRITE.name)
         index = len(self.graphs)
         ops = [OpRecord.make(index, kind, ann) for ann in annotations(gm.graph)]
         self.graphs.append(GraphRecord(index, kind, ops, params, state, traffic, delayed_states=ctx.delayed_states))
         return gm
 
     def _keep(self, kind: str, gm: fx.GraphModule) -> None:
-        if self.keep_graphs:
+        if self.options.keep_graphs:
             self.kept_graphs.append((kind, gm))
 
     def _compile_eager(self, gm: fx.GraphModule, example_inputs: list[Any], rewrite: _Rewrite):
@@ -404,8 +372,10 @@ class Fp8fxBackend:
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+        ctx = StageContext(options=self.options, rewrite=rewrite)
+
         def partition_fn(joint_gm, joint_inputs, **kwargs):
-            rewrite(joint_gm)
+            EAGER_JOINT(joint_gm, ctx)
             forward, backward = min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
             record = self.graphs[-1]
             record.saved_bytes = saved_activation_bytes(forward, kwargs["num_fwd_outputs"])
@@ -413,9 +383,9 @@ class Fp8fxBackend:
 
         def boxed(kind: str):
             def compiler(gm, _inputs):
-                gm = rewrite(gm) if kind == "inference" else gm
-                if kind == "backward":
-                    recompute_at_first_use(gm)
+                graph_ctx = replace(ctx, graph=kind)
+                gm = EAGER_JOINT(gm, graph_ctx) if kind == "inference" else gm
+                gm = EAGER_AFTER_PARTITION(gm, graph_ctx)
                 self._keep(kind, gm)
                 return make_boxed_func(gm)
 
@@ -433,12 +403,10 @@ class Fp8fxBackend:
         records_key = cache.graph_key(key, gm, example_inputs) if key is not None else None
         first = len(self.graphs)
         passes = MemoryPassCounts()
-        with (
-            cache.kept_whole(KEPT_WHOLE) as decompositions,
-            inductor_config.patch(joint_custom_pre_pass=_InductorJointPass(rewrite, decompositions)),
-        ):
-            inner = functools.partial(_inductor_compile_graph, kept_whole=decompositions, passes=passes)
-            compiled = compile_fx(gm, example_inputs, inner_compile=inner)
+        with cache.kept_whole(KEPT_WHOLE) as decompositions:
+            ctx = StageContext(options=self.options, rewrite=rewrite, kept_whole=decompositions, memory_pass_counts=passes)
+            with inductor_config.patch(joint_custom_pre_pass=_InductorJointPass(ctx)):
+                compiled = compile_fx(gm, example_inputs, inner_compile=functools.partial(compile_partitioned, ctx=ctx))
         made = self.graphs[first:]
         for g in made:  # (a backward Inductor compiles later is counted when it does: the report reads the counts)
             g.memory_pass_counts = passes
@@ -463,14 +431,13 @@ class Fp8fxBackend:
         return compiled
 
 
-def _with_handle_input(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of Dynamo's graph that takes one more input at the end: delayed scaling's handle."""
-    gm = copy.deepcopy(gm)
-    last = [p for p in gm.graph.nodes if p.op == "placeholder"][-1]
-    with gm.graph.inserting_after(last):
-        gm.graph.placeholder("fp8fx_delayed_handle")._dynamo_source = None
-    gm.recompile()
-    return gm
+def _read_option(name: str) -> property:
+    return property(lambda self: getattr(self.options, name), doc=f"`options.{name}`, read-only")
+
+
+for _option in fields(BackendOptions):  # each option reads as an attribute of the backend too: backend.policy, .inner, ...
+    if _option.name not in vars(Fp8fxBackend):
+        setattr(Fp8fxBackend, _option.name, _read_option(_option.name))
 
 
 class _Rewrite:
@@ -490,61 +457,24 @@ class _Rewrite:
         return cache.pass_key({"backend": key, "params": sorted(self.param_inputs), "group": group}) if key else None
 
 
-def _inductor_compile_graph(
-    gm: fx.GraphModule, example_inputs, *, kept_whole: dict, passes: MemoryPassCounts | None = None, **kwargs
-):
-    """Inductor's compile of one partitioned graph. A backward graph first gets its recomputed
-    values moved to their first use, as with inner="eager": Inductor keeps its opaque ops (the FP8
-    GEMMs) in graph order, so the partitioner's order made backward recompute every layer's values
-    (and cast every weight again, weight_fp8="recompute") before its first GEMM. Then GEMM operands
-    get the K-major layout the tensor cores read, and the amaxes, scales and casts become
-    ATen ops for Inductor to fuse (`fp8fx.compiler.lowering`), and the
-    memory passes of the kernels it makes of them are counted into `passes`."""
-    from torch._inductor.compile_fx import compile_fx_inner
-
-    drop_partition_copies(gm)
-    if kwargs.get("is_backward"):
-        recompute_at_first_use(gm)
-    numels = operand_numels(gm)
-    laid_out = lay_out_operands(gm)
-    if passes is not None:
-        passes.laid_out |= laid_out
-    lower_elementwise(gm, kept_whole)
-    if passes is None or not numels:
-        return compile_fx_inner(gm, example_inputs, **kwargs)
-    with counting(passes, "backward" if kwargs.get("is_backward") else "forward", max(1, min(numels) // 4)):
-        return compile_fx_inner(gm, example_inputs, **kwargs)
-
-
 class _InductorJointPass(CustomGraphPass):
-    def __init__(self, rewrite: _Rewrite, decompositions: dict):
-        self.rewrite, self.decompositions = rewrite, decompositions  # the ops kept whole for the FP8 passes
+    """Inductor's joint-graph pre-pass: the `JOINT` stage (`fp8fx.compiler.pipeline`), in place."""
+
+    def __init__(self, ctx: StageContext):
+        self.ctx = ctx
 
     def __call__(self, graph: fx.Graph) -> None:
-        self.rewrite(graph.owning_module)
-        decompose_nodes(graph, self.decompositions)
-        lower_casts(graph, self.decompositions)
-        let_backward_cast_again(graph)
-        input_gradients_first(graph)
+        JOINT(graph.owning_module, self.ctx)
 
     def uuid(self) -> str | None:
         # With a key, a cached compile skips the pass; the backend then reads its records back.
-        return self.rewrite.pass_key()
+        return self.ctx.rewrite.pass_key()
 
 
 DEFAULT_BACKEND = Fp8fxBackend()  # what `backend="fp8fx"` resolves to (entry point)
 
 
-def backend(
-    policy: Policy | str | Path | None = None,
-    inner: str = "inductor",
-    keep_graphs: bool = False,
-    fuse_epilogues: bool = True,
-    kernels: str = "auto",
-    monitor_every: int = 0,
-    saved_outputs: str = "bf16",
-    weight_fp8: str = "auto",
-) -> Fp8fxBackend:
+def backend(policy: Policy | str | Path | None = None, **options: Any) -> Fp8fxBackend:
     """A configured backend: `torch.compile(model, backend=fp8fx.backend(policy="p.yaml"))`.
 
     `fuse_epilogues` fuses each FP8 GEMM's elementwise neighbours into it. `kernels` picks what
@@ -568,11 +498,29 @@ def backend(
     dynamic scaling only). "auto" (the default) is "recompute" under dynamic scaling and "keep"
     under delayed scaling: a kept
     copy holds every layer's FP8 weights from forward to backward (all of them unsharded under
-    FSDP), which put a Llama step's peak above BF16's for 0.3-0.9 ms less per step (docs/results.md)."""
-    return Fp8fxBackend(
-        policy=policy, inner=inner, keep_graphs=keep_graphs, fuse_epilogues=fuse_epilogues, kernels=kernels,
-        monitor_every=monitor_every, saved_outputs=saved_outputs, weight_fp8=weight_fp8,
-    )  # fmt: skip
+    FSDP), which put a Llama step's peak above BF16's for 0.3-0.9 ms less per step (docs/results.md).
+
+    `cublas_devices` are the device types on which, under Inductor, a GEMM the graph gives to cuBLAS
+    becomes `aten._scaled_mm` in Inductor's code (`fp8fx.compiler.lowering`): ("cuda",), or with
+    "cpu" too the graph a GPU runs, run on CPU tensors by torch's CPU `_scaled_mm`.
+    `epilogues_to_inductor` plans epilogues for Inductor's fusion (None: when `inner` is "inductor").
+
+    The options are the fields of `fp8fx.passes.options.BackendOptions` (validated there); the
+    backend keeps them as `options` and reads each as an attribute too (`backend.policy`, ...)."""
+    return Fp8fxBackend(BackendOptions(policy=policy, **options))
+
+
+def _signature_of_options() -> inspect.Signature:
+    """`backend`'s signature as help() and editors show it: BackendOptions's fields, the one list of the options."""
+    kinds = {"policy": inspect.Parameter.POSITIONAL_OR_KEYWORD}
+    params = [
+        inspect.Parameter(f.name, kinds.get(f.name, inspect.Parameter.KEYWORD_ONLY), default=f.default, annotation=f.type)
+        for f in fields(BackendOptions)
+    ]
+    return inspect.Signature(params, return_annotation="Fp8fxBackend")
+
+
+backend.__signature__ = _signature_of_options()
 
 
 def _find_backend(compiled: Any) -> Fp8fxBackend | None:

@@ -28,6 +28,8 @@ The decompositions compute what the reference ops compute, value for value: Indu
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, fx
 from torch.utils.checkpoint import CheckpointPolicy
@@ -127,16 +129,12 @@ def _emulated(a: Tensor, b: Tensor, gpu_kernel: str = "scaled_mm") -> bool:
     )  # fmt: skip
 
 
-# The devices whose cuBLAS GEMMs become `aten._scaled_mm` nodes (`_cublas_fp8_gemm`). Tests add "cpu":
-# torch's CPU `_scaled_mm` runs the graph a GPU runs.
-CUBLAS_DEVICES = ("cuda",)
-
-
-def _on_cublas(a: Tensor, b: Tensor, block_a: list[int], block_b: list[int], gpu_kernel: str) -> bool:
-    """Whether the graph gives this GEMM to cuBLAS and `aten._scaled_mm` takes it as it is: 2-D,
-    static M, N and K multiples of 16, tensorwise or rowwise scales, at most one E5M2 operand (any
-    other the op pads, or runs on another kernel)."""
-    if gpu_kernel != "scaled_mm" or a.device.type not in CUBLAS_DEVICES or a.dim() != 2 or b.dim() != 2:
+def _on_cublas(a: Tensor, b: Tensor, block_a: list[int], block_b: list[int], gpu_kernel: str, devices: tuple[str, ...]) -> bool:
+    """Whether the graph gives this GEMM to cuBLAS and `aten._scaled_mm` takes it as it is: on one of
+    `devices` (the backend option `cublas_devices`: "cuda", and "cpu" where torch's CPU `_scaled_mm`
+    runs the graph a GPU runs), 2-D, static M, N and K multiples of 16, tensorwise or rowwise scales,
+    at most one E5M2 operand (any other the op pads, or runs on another kernel)."""
+    if gpu_kernel != "scaled_mm" or a.device.type not in devices or a.dim() != 2 or b.dim() != 2:
         return False
     if a.dtype == b.dtype == torch.float8_e5m2 or a.dtype not in FP8_DTYPES or b.dtype not in FP8_DTYPES:
         return False
@@ -144,12 +142,12 @@ def _on_cublas(a: Tensor, b: Tensor, block_a: list[int], block_b: list[int], gpu
     return all(isinstance(d, int) and d % 16 == 0 for d in sizes) and scaled_mm_kind(block_a, block_b) in ("tensorwise", "rowwise")
 
 
-def _cublas_fp8_gemm(g: Fp8GemmArgs):
+def _cublas_fp8_gemm(g: Fp8GemmArgs, devices: tuple[str, ...]):
     """A cuBLAS FP8 GEMM as the ATen ops `fp8fx::fp8_gemm`'s CUDA implementation runs (traced: its
     `aten._scaled_mm` and epilogue), so that Inductor's code calls cuBLAS itself (no Python per
     call, as for torchao's GEMMs) and fuses the epilogue. Its padding and column-major copy are
     no-ops here: the sizes are multiples of 16 and the operands K-major (`lay_out_operands`)."""
-    if not _on_cublas(g.a, g.b, g.block_a, g.block_b, g.gpu_kernel):
+    if not _on_cublas(g.a, g.b, g.block_a, g.block_b, g.gpu_kernel, devices):
         return NotImplemented
     return cuda.fp8_gemm_on_cuda(g)
 
@@ -160,26 +158,26 @@ def _scaled_mm(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, block_a, block_b
     return reference.emulated_mm(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, block_a, block_b, _to_fp32)
 
 
-def _fp8_gemm_emulated(g: Fp8GemmArgs) -> bool:
-    """Whether an `fp8fx::fp8_gemm` runs the exact CPU emulation: one the graph does not give to cuBLAS."""
-    return not _on_cublas(g.a, g.b, g.block_a, g.block_b, g.gpu_kernel) and _emulated(g.a, g.b, g.gpu_kernel)
+def _fp8_gemm_emulated(g: Fp8GemmArgs, devices: tuple[str, ...]) -> bool:
+    """Whether an `fp8fx::fp8_gemm` runs the exact CPU emulation: one the graph does not give to cuBLAS on `devices`."""
+    return not _on_cublas(g.a, g.b, g.block_a, g.block_b, g.gpu_kernel, devices) and _emulated(g.a, g.b, g.gpu_kernel)
 
 
-def _fp8_gemm(*args, **kwargs):
+def _fp8_gemm(*args, devices: tuple[str, ...], **kwargs):
     g = Fp8GemmArgs.bind(args, kwargs)
-    if _fp8_gemm_emulated(g):
+    if _fp8_gemm_emulated(g, devices):
         return reference.emulated_fp8_gemm(g, _to_fp32)
-    return _cublas_fp8_gemm(g)
+    return _cublas_fp8_gemm(g, devices)
 
 
-def _runs_emulated(gemm: fx.Node) -> bool:
+def _runs_emulated(gemm: fx.Node, cublas_devices: tuple[str, ...]) -> bool:
     """Whether an `fp8fx::` GEMM node becomes the exact CPU emulation here (`_scaled_mm`, `_fp8_gemm`)."""
     if gemm.target is fp8fx_ops.scaled_mm.default:
         g = ScaledMmArgs.of(gemm)
         return _emulated(g.a.meta["val"], g.b.meta["val"])
     if gemm.target is fp8fx_ops.fp8_gemm.default:
         g = Fp8GemmArgs.of(gemm)
-        return _fp8_gemm_emulated(g.replace(a=g.a.meta["val"], b=g.b.meta["val"]))
+        return _fp8_gemm_emulated(g.replace(a=g.a.meta["val"], b=g.b.meta["val"]), cublas_devices)
     return False
 
 
@@ -190,8 +188,13 @@ LOWERED = {
     fp8fx_ops.scale_inverse.default: _scale_inverse,
     fp8fx_ops.saved_copy.default: _saved_copy,
     fp8fx_ops.scaled_mm.default: _scaled_mm,
-    fp8fx_ops.fp8_gemm.default: _fp8_gemm,
+    fp8fx_ops.fp8_gemm.default: _fp8_gemm,  # (needs `devices`: see `lowered`)
 }
+
+
+def lowered(cublas_devices: tuple[str, ...]) -> dict:
+    """`LOWERED` for a backend whose `cublas_devices` option names these devices."""
+    return {**LOWERED, fp8fx_ops.fp8_gemm.default: functools.partial(_fp8_gemm, devices=tuple(cublas_devices))}
 
 
 # Meta of the nodes a lowered amax, cast or saved copy becomes (the ops that read or write a whole
@@ -232,13 +235,14 @@ def _lowering_meta(graph: fx.Graph, targets=LOWERED) -> dict[fx.Node, dict]:
     return {n: m for n, m in charges.items() if n.target in targets}
 
 
-def lower_elementwise(gm: fx.GraphModule, kept_whole: dict) -> int:
+def lower_elementwise(gm: fx.GraphModule, kept_whole: dict, cublas_devices: tuple[str, ...]) -> int:
     """Replace `gm`'s fp8fx amax, scale, cast, scale-inverse and saved-copy nodes, and its emulated
     GEMMs, by the ATen ops they compute (a partitioned graph, before Inductor compiles it; what they
     compute is decomposed with `kept_whole` too: the entries the compile took out of Inductor's
-    table, e.g. an epilogue's activation); returns how many. The nodes an amax, cast or saved copy
-    becomes carry the GEMM it is charged to (`CHARGED_TO`)."""
-    replaced = decompose_nodes(gm.graph, LOWERED, also=kept_whole, meta=_lowering_meta(gm.graph))
+    table, e.g. an epilogue's activation); returns how many. A GEMM given to cuBLAS on one of
+    `cublas_devices` becomes `aten._scaled_mm`. The nodes an amax, cast or saved copy becomes carry
+    the GEMM it is charged to (`CHARGED_TO`)."""
+    replaced = decompose_nodes(gm.graph, lowered(cublas_devices), also=kept_whole, meta=_lowering_meta(gm.graph))
     if replaced:
         gm.recompile()
     return replaced
@@ -323,7 +327,7 @@ def operand_numels(gm: fx.GraphModule) -> list[int]:
     return [n for n in numels if isinstance(n, int)]
 
 
-def lay_out_operands(gm: fx.GraphModule) -> set[tuple[str, str]]:
+def lay_out_operands(gm: fx.GraphModule, cublas_devices: tuple[str, ...]) -> set[tuple[str, str]]:
     """Give each 2-D FP8 GEMM operand that is not K-contiguous a K-major copy in the graph, one per
     tensor and layout, before lowering. Inductor writes a copy of a tensor cast
     here from the cast's kernel (which reads the high-precision tensor once), and a copy of an FP8
@@ -341,7 +345,7 @@ def lay_out_operands(gm: fx.GraphModule) -> set[tuple[str, str]]:
         ann, operands = annotation(gemm), gemm_args(gemm).operands
         if all(x.meta["val"].dim() == 2 for x in operands):
             gemms.add((ann.site, ann.role))
-        emulated = _runs_emulated(gemm)
+        emulated = _runs_emulated(gemm, cublas_devices)
         for side in (0, 1):
             val = operands[side].meta["val"]
             if val.dim() == 2 and not k_contiguous(val, side):

@@ -42,6 +42,9 @@ class MemoryPassCounts:
         self.min_numel = 0  # the smallest operand-sized tensor of the graph being compiled
         self.graph = "forward"
         self.after_compile = None  # called after each graph counted (a backward compiles after the forward has run)
+        # What runs on the fused kernels of the graph being compiled in place of `count` (fp8fx's
+        # `AFTER_FUSION` stage, which counts them); None: `count`.
+        self.after_fusion = None
         # The GEMMs (site, role) whose operands the graph lays out, so that their launchers copy
         # nothing (fp8fx.compiler.lowering.lay_out_operands).
         self.laid_out: set[tuple[str, str]] = set()
@@ -106,7 +109,8 @@ def computes(origin) -> bool:
 
 def count_after_fusion(kernels: list) -> list:
     if _active:
-        _active[-1].count(kernels)
+        active = _active[-1]
+        (active.after_fusion or active.count)(kernels)
     return kernels
 
 
@@ -134,17 +138,19 @@ else:
 
 
 @contextlib.contextmanager
-def counting(counts: MemoryPassCounts, graph: str, min_numel: int) -> Iterator[None]:
+def counting(counts: MemoryPassCounts, graph: str, min_numel: int, after_fusion=None) -> Iterator[None]:
     """Count the kernels of the `graph` ("forward" | "backward") Inductor compiles inside into
-    `counts`; tensors of at least `min_numel` elements are operand-sized."""
+    `counts`; tensors of at least `min_numel` elements are operand-sized. `after_fusion(kernels)`,
+    if given, runs on the fused kernels instead of `counts.count` (and counts them)."""
     from torch._inductor import config
 
-    counts.graph, counts.min_numel = graph, min_numel
+    counts.graph, counts.min_numel, counts.after_fusion = graph, min_numel, after_fusion
     _active.append(counts)
     try:
         with config.patch(_post_fusion_custom_pass=SCHEDULER_HOOK):
             yield
     finally:
         _active.pop()
+        counts.after_fusion = None
     if counts.after_compile is not None:
         counts.after_compile()

@@ -59,11 +59,11 @@ def _states_needed(model: nn.Module, policy: Any, example_inputs: Any) -> dict[s
         )
     if isinstance(policy, Fp8fxBackend):  # the settings that decide which casts exist; eager: nothing to generate
         given = policy
-        options = dict(fuse_epilogues=given.fuse_epilogues, saved_outputs=given.saved_outputs, weight_fp8=given.weight_fp8)
-        backend = Fp8fxBackend(given.policy, inner="eager", **options)
+        plain = dict(kernels="auto", keep_graphs=False, monitor_every=0, epilogues_to_inductor=False)  # the rest as by default
+        backend = Fp8fxBackend(given.options.replace(inner="eager", **plain))
         backend.overrides = dict(given.overrides)
     else:
-        backend = Fp8fxBackend(policy, inner="eager")
+        backend = Fp8fxBackend(policy=policy, inner="eager")
     if not backend.policy.uses_delayed_scaling:
         return {}
     mode = FakeTensorMode(allow_non_fake_inputs=True)

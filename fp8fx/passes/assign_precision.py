@@ -201,7 +201,9 @@ def decide(site: MatmulSite, gemm: Gemm, ctx: PassContext) -> Decision:
     if vector:
         return high(ReasonKind.SHAPE, vector)
     dims = (site.forward.n, site.forward.k)
-    decision = policy_decision(ctx.policy, site.names, site.op, gemm.role, roles, dims, lambda s: _operand_problem(gemm.node, s))
+    decision = policy_decision(
+        ctx.options.policy, site.names, site.op, gemm.role, roles, dims, lambda s: _operand_problem(gemm.node, s)
+    )
     if decision.fp8 and gemm.groups is not None:
         decision = replace(decision, reason=decision.reason + _grouped_note(gemm, decision))
     return decision

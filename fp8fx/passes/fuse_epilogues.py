@@ -429,9 +429,9 @@ def fuse_epilogues(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             stop = "batched GEMMs run unfused (torch's scaled-mm path)" if batched else None
             kernel, kernel_reason = NVFP4_KERNEL if _nvfp4(n) else ("scaled_mm", f"{why}: torch._scaled_mm")
             update_fusion(n, kernel=kernel, kernel_reason=kernel_reason, stop=stop)
-    if not ctx.fuse_epilogues or not gemms:
+    if not ctx.options.fuse_epilogues or not gemms:
         return PassResult(gm, modified=False)
-    fuser = _Fuser(gm, ctx.kernels, ctx.epilogues_to_inductor)
+    fuser = _Fuser(gm, ctx.options.kernels, ctx.options.epilogues_to_inductor)
     for gemm in gemms:
         fuser.fuse(gemm)
     gm.graph.eliminate_dead_code()

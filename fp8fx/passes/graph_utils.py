@@ -10,7 +10,7 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
-from fp8fx.core.policy import Policy
+from fp8fx.passes.options import BackendOptions
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -85,33 +85,21 @@ class DelayedInputs:
     amax_group: str | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PassContext:
     """What the passes of one graph are given, and what they hand on to each other."""
 
-    # Given: the policy; code generation (fuse elementwise neighbours into the GEMMs, and which
-    # kernels run them on CUDA: "auto" / "triton": generated Triton kernels; "scaled_mm":
-    # torch._scaled_mm); the GEMMs shadow checks switched to high precision ((site, role) ->
-    # reason); which graph inputs hold parameters (positions among the placeholders other than
-    # tangents; None: an input whose value requires grad is one, see find_matmuls.parameter_derived).
-    policy: Policy
-    fuse_epilogues: bool = True
-    kernels: str = "auto"
+    # Given: the backend's options (policy, code generation, what backward reads; passed whole);
+    # the GEMMs shadow checks switched to high precision ((site, role) -> reason); which graph
+    # inputs hold parameters (positions among the placeholders other than tangents; None: an input
+    # whose value requires grad is one, see find_matmuls.parameter_derived); where taps report.
+    options: BackendOptions
     overrides: dict = field(default_factory=dict)
     param_inputs: frozenset[int] | None = None
     taps: Taps = Taps()
     # Delayed scaling's handle input; without it (ONNX export) the casts are made with dynamic scales
     # and only the states' keys are recorded.
     delayed: DelayedInputs | None = None
-    # What FP8 GEMM outputs that backward reads are saved as: "bf16" (fp32 outputs narrowed,
-    # fp8fx.passes.saved_outputs) or "high" (as computed).
-    saved_outputs: str = "bf16"
-    # What backward reads of a weight: its FP8 copy saved from forward ("keep") or the weight cast
-    # again in backward ("recompute": the cast chain is tagged for min-cut to recompute).
-    weight_fp8: str = "keep"
-    # Whether Inductor compiles the rewritten graph: epilogues it fuses better stay out of the GEMMs
-    # (fp8fx.codegen.dispatch.epilogue_to_inductor).
-    epilogues_to_inductor: bool = False
     # An inference graph (compiled without autograd: evaluation): delayed scaling reads its states
     # and updates them only when the policy calibrates.
     inference: bool = False

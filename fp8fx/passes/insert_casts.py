@@ -100,7 +100,7 @@ class _Inserter:
         self.views: dict[tuple, fx.Node] = {}  # high-precision operand views rebuilt from their root
         # weight_fp8="recompute": the weights (parameter inputs), whose casts backward makes again.
         self.weights: set[fx.Node] = set()
-        if ctx.weight_fp8 == "recompute":
+        if ctx.options.weight_fp8 == "recompute":
             self.weights = {n for n in graph.nodes if n.op == "placeholder"} & parameter_derived(graph, ctx.param_inputs)
 
     def add(self, target, args, kwargs=None, *, tag_from: fx.Node) -> fx.Node:
@@ -119,7 +119,7 @@ class _Inserter:
         # A graph compiled without autograd (evaluation) casts with the delayed state's scale and
         # leaves the state alone, unless the policy calibrates (TransformerEngine updates only with
         # grad enabled): how often a run evaluates must not change how it trains.
-        update = delayed is not None and (not self.ctx.inference or self.ctx.policy.calibrate)
+        update = delayed is not None and (not self.ctx.inference or self.ctx.options.policy.calibrate)
         with self.graph.inserting_before(at):
             amax = self.add(fp8fx_ops.amax.default, (x, block), tag_from=tag_from) if delayed is None or update else None
             if spec.delayed is not None:

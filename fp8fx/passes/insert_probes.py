@@ -17,6 +17,7 @@ from fp8fx.passes.annotation import annotation
 from fp8fx.passes.assign_precision import decide
 from fp8fx.passes.find_matmuls import matmul_operands
 from fp8fx.passes.graph_utils import PassContext, PassResult, add_node, fake_mode_of
+from fp8fx.passes.options import BackendOptions
 from fp8fx.runtime.numerics import ProbeSpec
 
 
@@ -25,7 +26,7 @@ def insert_probes(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if numerics is None:
         return PassResult(gm, modified=False)
     fake_mode = fake_mode_of(gm.graph)
-    recipes = {name: PassContext(Policy.from_recipe(name)) for name in RECIPES}
+    recipes = {name: PassContext(options=BackendOptions(policy=Policy.from_recipe(name))) for name in RECIPES}
     probes = []  # decide every what-if first: decisions read the operands the probes replace
     for site in ctx.sites:
         # Fused attention, convolutions and opaque ops have no FP8 form to measure; grouped GEMMs'

@@ -44,7 +44,7 @@ def is_patch_conv(node: fx.Node) -> bool:
 
 def _enabled(node: fx.Node, ctx: PassContext) -> bool:
     fqn = module_fqn(node)
-    res = ctx.policy.resolve((fqn,), OP_KIND)
+    res = ctx.options.policy.resolve((fqn,), OP_KIND)
     return OP_KIND in res.settings.ops or res.forced_fp8
 
 

@@ -1,8 +1,10 @@
-"""Run the passes in order; a failure names the pass and those that ran before it."""
+"""The FP8 rewrite's passes in order (`REWRITE_PASSES`), and `run_passes`, which runs the passes of
+every stage of a compile: a failure names the pass, its stage and those that ran before it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import fx
 
@@ -25,16 +27,23 @@ REWRITE_PASSES: tuple[Pass, ...] = (
 
 
 class PassError(RuntimeError):
-    pass
+    """A pass failed: the message names the pass, its stage and the passes that ran before it."""
 
 
-def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass] = REWRITE_PASSES) -> fx.GraphModule:
+def run_passes(gm: fx.GraphModule, ctx: Any, passes: Sequence[Pass] = REWRITE_PASSES, stage: str = "rewrite") -> fx.GraphModule:
+    """Run `passes` on `gm` in order, each given `ctx`; returns the graph module the last one left.
+
+    One convention for every stage of a compile (`fp8fx.compiler.pipeline`): a failure is raised as
+    a `PassError` naming the pass, the `stage` and the passes before it; a `PassError` from a stage
+    run inside a pass (the FP8 rewrite inside the joint stage) names its own and passes through."""
     done: list[str] = []
     for p in passes:
         try:
             gm = p(gm, ctx).graph_module
+        except PassError:
+            raise
         except Exception as e:
             after = f" (after {', '.join(done)})" if done else ""
-            raise PassError(f"fp8fx pass {p.__name__} failed{after}: {type(e).__name__}: {e}") from e
+            raise PassError(f"fp8fx pass {p.__name__} failed in stage {stage}{after}: {type(e).__name__}: {e}") from e
         done.append(p.__name__)
     return gm

@@ -57,7 +57,7 @@ def _small_or_kept(node, size: int) -> bool:
 
 
 def saved_outputs(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    if ctx.saved_outputs == "high":
+    if ctx.options.saved_outputs == "high":
         return PassResult(gm, modified=False)
     graph, fake_mode = gm.graph, fake_mode_of(gm.graph)
     wide: dict[fx.Node, fx.Node] = {}  # forward value -> what backward reads instead

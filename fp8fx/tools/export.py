@@ -49,6 +49,7 @@ from fp8fx.passes.annotation import annotation, state_key
 from fp8fx.passes.assign_precision import assign_precision
 from fp8fx.passes.find_matmuls import find_matmuls, matmul_operands
 from fp8fx.passes.graph_utils import LAYOUT_OPS, PassContext, strip_layout
+from fp8fx.passes.options import BackendOptions
 from fp8fx.runtime.numerics import sqnr_db
 from fp8fx.tools.analyze import error_summary
 
@@ -193,7 +194,7 @@ class _AmaxRecorder(fx.Interpreter):
 def _rewrite(
     gm: fx.GraphModule, model: nn.Module, policy: Policy, calibration: list[tuple], opset: int
 ) -> tuple[list[SiteExport], dict[str, tuple[str, ...]]]:
-    ctx = PassContext(policy)
+    ctx = PassContext(options=BackendOptions(policy=policy))
     find_matmuls(gm, ctx)
     assign_precision(gm, ctx)
     sites, gemm_names, fp8 = [], {}, []

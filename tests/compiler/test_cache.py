@@ -79,8 +79,9 @@ def test_the_cache_key_follows_what_the_rewrite_depends_on():
         fp8fx.backend(policy=fp8fx.Policy.from_recipe("rowwise")),
         fp8fx.backend(policy=fp8fx.Policy.from_recipe("tensorwise"), fuse_epilogues=False),
         fp8fx.backend(policy=fp8fx.Policy.from_recipe("tensorwise"), kernels="scaled_mm"),
+        fp8fx.backend(policy=fp8fx.Policy.from_recipe("tensorwise"), cublas_devices=("cpu", "cuda")),  # lowered otherwise
     ]
     keys = {tensorwise.cache_key(), *(b.cache_key() for b in others)}
-    assert len(keys) == 4 and None not in keys
+    assert len(keys) == 5 and None not in keys
     # A monitored graph calls back into this process: it is never served from a cache.
     assert fp8fx.backend(monitor_every=10).cache_key() is None

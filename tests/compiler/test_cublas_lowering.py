@@ -1,6 +1,7 @@
 """Under Inductor, a GEMM the graph gives to cuBLAS becomes `aten._scaled_mm` and ATen epilogue ops
 (fp8fx.compiler.lowering), so Inductor's code calls cuBLAS itself. GPUs only, in use: these tests add
-"cpu" to the lowering's devices and run the graph a GPU runs on torch's CPU `_scaled_mm`."""
+"cpu" to the lowering's devices (the backend option `cublas_devices`) and run the graph a GPU runs
+on torch's CPU `_scaled_mm`."""
 
 from __future__ import annotations
 
@@ -21,11 +22,7 @@ from fp8fx.ops.args import Fp8GemmArgs
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SEED = 20261127
 EPILOGUES = ["", "bias", "bias,act=gelu,aux=pre_activation", "act=silu,mul", "gate=silu,aux=activation", "residual,amax", "bias,residual"]
-
-
-@pytest.fixture
-def cublas_on_cpu(monkeypatch):
-    monkeypatch.setattr(lowering, "CUBLAS_DEVICES", ("cpu", "cuda"))
+CUBLAS_ON_CPU = ("cpu", "cuda")
 
 
 def _case(rng: random.Random, g: torch.Generator):
@@ -63,7 +60,6 @@ def _case(rng: random.Random, g: torch.Generator):
     return f"{recipe} {m}x{n}x{k} {a_dtype}x{b_dtype} {block_a}x{block_b} {epilogue!r} -> {out_dtype}", args
 
 
-@pytest.mark.usefixtures("cublas_on_cpu")
 def test_the_lowered_gemm_computes_what_the_op_runs_on_cublas():
     """Value for value what `fp8fx::fp8_gemm`'s CUDA implementation computes (the same
     `torch._scaled_mm` and epilogue), and close to the exact emulation (the rowwise product is
@@ -71,7 +67,7 @@ def test_the_lowered_gemm_computes_what_the_op_runs_on_cublas():
     rng, g = random.Random(SEED), torch.Generator().manual_seed(SEED)
     for _ in range(40):
         what, args = _case(rng, g)
-        lowered = lowering._cublas_fp8_gemm(args)
+        lowered = lowering._cublas_fp8_gemm(args, CUBLAS_ON_CPU)
         assert lowered is not NotImplemented, what
         positional, keywords = args.call_args()
         on_cuda = cuda.fp8_gemm_cuda(*positional, **keywords)
@@ -83,7 +79,6 @@ def test_the_lowered_gemm_computes_what_the_op_runs_on_cublas():
                 assert sqnr(low.float(), emu.float()) > (25 if low.dtype == E4M3 else 40), f"{what}: {name}"
 
 
-@pytest.mark.usefixtures("cublas_on_cpu")
 @pytest.mark.parametrize(
     "shape,blocks,gpu_kernel",
     [((30, 32, 64), ([], []), "scaled_mm"), ((32, 32, 64), ([1, 128], [128, 1]), "scaled_mm"), ((32, 32, 64), ([], []), "triton"),
@@ -96,7 +91,7 @@ def test_gemms_cublas_cannot_take_as_they_are_stay_ops(shape, blocks, gpu_kernel
     sa, sb = torch.ones(reference.scale_shape((m, k), blocks[0])), torch.ones(reference.scale_shape((k, n), blocks[1]))
     rest = dict(out_dtype=torch.bfloat16, aux_dtype=torch.bfloat16, block_a=blocks[0], block_b=blocks[1])
     args = Fp8GemmArgs(a, b, sa, sb, **rest, gpu_kernel=gpu_kernel)
-    assert lowering._cublas_fp8_gemm(args) is NotImplemented
+    assert lowering._cublas_fp8_gemm(args, CUBLAS_ON_CPU) is NotImplemented
 
 
 def _step(model, ids):
@@ -105,7 +100,6 @@ def _step(model, ids):
     return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-@pytest.mark.usefixtures("cublas_on_cpu")
 @pytest.mark.parametrize("recipe", ["tensorwise", CUBLAS_ROWWISE])
 def test_a_cublas_training_step_calls_scaled_mm_from_inductor_code(recipe):
     """Every FP8 GEMM of a Llama step is an `aten._scaled_mm` call in Inductor's code, none an
@@ -114,7 +108,8 @@ def test_a_cublas_training_step_calls_scaled_mm_from_inductor_code(recipe):
     ids = torch.randint(0, 512, (2, 16))
     fp32_loss, fp32_grads = _step(model, ids)
     model.zero_grad()
-    backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor", kernels="scaled_mm")
+    policy = fp8fx.Policy.from_recipe(recipe)
+    backend = fp8fx.backend(policy=policy, inner="inductor", kernels="scaled_mm", cublas_devices=CUBLAS_ON_CPU)
     compiled = torch.compile(model, backend=backend)
     torch._dynamo.reset()
     with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):

@@ -24,13 +24,15 @@ SEED = 20261126
 
 def lowered_by_inductor(fn, *args):
     """`fn`'s fp8fx ops compiled by Inductor as the fp8fx backend compiles what its passes leave
-    (fp8fx.compiler.backend._inductor_compile_graph); returns (outputs, Inductor's code)."""
+    (fp8fx.compiler.pipeline.compile_partitioned); returns (outputs, Inductor's code)."""
     from torch._inductor.compile_fx import compile_fx
 
-    from fp8fx.compiler.backend import _inductor_compile_graph
+    from fp8fx.compiler.pipeline import StageContext, compile_partitioned
+    from fp8fx.passes.options import BackendOptions
 
     def backend(gm, inputs):
-        return compile_fx(gm, inputs, inner_compile=functools.partial(_inductor_compile_graph, kept_whole={}))
+        ctx = StageContext(options=BackendOptions())
+        return compile_fx(gm, inputs, inner_compile=functools.partial(compile_partitioned, ctx=ctx))
 
     torch._dynamo.reset()
     return run_and_get_code(torch.compile(fn, backend=backend, fullgraph=True), *args)
@@ -78,17 +80,18 @@ def _cast_case(rng: random.Random, g: torch.Generator):
     return x.to(dtype), (fmt, block, margin, power_of_two, rounding)
 
 
-def lowered_step_graphs(monkeypatch, recipe: str, dtype: torch.dtype = torch.float32) -> list[torch.fx.GraphModule]:
+def lowered_step_graphs(
+    monkeypatch, recipe: str, dtype: torch.dtype = torch.float32, cublas_devices: tuple[str, ...] = ("cuda",)
+) -> list[torch.fx.GraphModule]:
     """The graphs (forward, backward) Inductor gets from one training step of the one-layer Llama
-    in `dtype`, with their fp8fx ops lowered to ATen ops."""
-    import fp8fx.compiler.backend as fp8fx_backend
-
+    in `dtype`, with their fp8fx ops lowered to ATen ops (`cublas_devices`: the backend option)."""
     graphs = []
-    lower = fp8fx_backend.lower_elementwise
-    monkeypatch.setattr(fp8fx_backend, "lower_elementwise", lambda gm, kept_whole: (graphs.append(gm), lower(gm, kept_whole))[1])
+    lower = lowering.lower_elementwise
+    monkeypatch.setattr(lowering, "lower_elementwise", lambda gm, *args: (graphs.append(gm), lower(gm, *args))[1])
     model = one_layer_llama().to(dtype)
     ids = torch.randint(0, 512, (2, 16))
-    compiled = torch.compile(model, backend=fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor"))
+    backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor", cublas_devices=cublas_devices)
+    compiled = torch.compile(model, backend=backend)
     torch._dynamo.reset()
     with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
         compiled(input_ids=ids, labels=ids).loss.backward()
@@ -120,8 +123,7 @@ def test_casts_in_a_bf16_step_read_the_bf16_tensors(recipe, monkeypatch):
     keeps what they are cast from (the gate and up outputs SiLU's backward reads), where torchao
     casts again. Read through a copy it can fuse (`let_backward_cast_again`), they are cast again.
     The weights are cast again too (weight_fp8="auto")."""
-    monkeypatch.setattr(lowering, "CUBLAS_DEVICES", ("cpu", "cuda"))
-    graphs = lowered_step_graphs(monkeypatch, recipe, torch.bfloat16)
+    graphs = lowered_step_graphs(monkeypatch, recipe, torch.bfloat16, cublas_devices=("cpu", "cuda"))
     cast = ops.cast.default.name()
     scalings = [n for gm in graphs for n in gm.graph.nodes if n.meta.get(LOWERED_FROM) == cast and n.target is torch.ops.aten.mul.Tensor]
     assert len(scalings) >= 24  # every operand of the 24 GEMMs

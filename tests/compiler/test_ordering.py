@@ -7,7 +7,6 @@ import torch
 from helpers import CUBLAS_ROWWISE
 
 import fp8fx
-import fp8fx.compiler.backend as fp8fx_backend
 from fp8fx.compiler import lowering
 from fp8fx.passes.annotation import annotation
 
@@ -31,18 +30,19 @@ def test_each_input_gradient_runs_before_its_weight_gradient(recipe, monkeypatch
     output, from the gate output backward keeps) was recomputed ahead of the input gradient, apart
     from SiLU's backward, which reads the same sigmoid; Inductor then kept it across the GEMM. Each
     recompute (SiLU's `exp`) now follows the down projection's input gradient."""
-    monkeypatch.setattr(lowering, "CUBLAS_DEVICES", ("cpu", "cuda"))  # the graph a GPU runs
     backward = []
-    lower = fp8fx_backend.lower_elementwise
+    lower = lowering.lower_elementwise
 
-    def record(gm, kept_whole):
+    def record(gm, *args):
         if any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes):
             backward.extend(gm.graph.nodes)
-        return lower(gm, kept_whole)
+        return lower(gm, *args)
 
-    monkeypatch.setattr(fp8fx_backend, "lower_elementwise", record)
+    monkeypatch.setattr(lowering, "lower_elementwise", record)
     model = torch.nn.Sequential(GatedMLP(), GatedMLP()).to(torch.bfloat16)
-    compiled = torch.compile(model, backend=fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor"))
+    policy = fp8fx.Policy.from_recipe(recipe)
+    backend = fp8fx.backend(policy=policy, inner="inductor", cublas_devices=("cpu", "cuda"))  # the graph a GPU runs
+    compiled = torch.compile(model, backend=backend)
     x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True, generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
     with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):

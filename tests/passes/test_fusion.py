@@ -227,8 +227,8 @@ def test_under_inductor_auto_leaves_epilogues_to_inductor(kernels, training, mon
     gemms = []  # per graph as the passes leave it (Inductor then lowers fp8fx's ops for the CPU): (GEMM's bias, its users)
     run_passes = backend_module.run_passes
 
-    def recording(gm, ctx, passes):
-        gm = run_passes(gm, ctx, passes)
+    def recording(gm, ctx, passes, **kwargs):
+        gm = run_passes(gm, ctx, passes, **kwargs)
         found = [n for n in gm.graph.nodes if n.target == torch.ops.fp8fx.fp8_gemm.default]
         gemms.append([(Fp8GemmArgs.of(g).bias, [u.target for out in g.users for u in out.users]) for g in found])
         assert not [n for n in gm.graph.nodes if n.op == "call_function" and not n.users and not n.is_impure()]  # nothing dead

@@ -14,7 +14,7 @@ from torch import fx, nn
 
 import fp8fx
 from fp8fx import Policy, Rule
-from fp8fx.passes import PassContext
+from fp8fx.passes import BackendOptions, PassContext
 from fp8fx.passes.verify import VerifyError, verify
 
 
@@ -153,7 +153,7 @@ def test_verify_passes_nodes_without_value_only_when_their_op_returns_nothing():
     y.meta["val"] = torch.empty(4, 4)
     graph.output(y)
     gm = fx.GraphModule(nn.Module(), graph)
-    ctx = PassContext(Policy())
+    ctx = PassContext(options=BackendOptions(policy=Policy()))
     verify(gm, ctx)
     assert "val" not in check.meta
     del y.meta["val"]

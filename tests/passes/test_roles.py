@@ -14,6 +14,7 @@ from fp8fx import GemmPrecisions, Policy, Rule, Settings
 from fp8fx.passes.assign_precision import decide
 from fp8fx.passes.find_matmuls import find_matmuls
 from fp8fx.passes.graph_utils import PassContext
+from fp8fx.passes.options import BackendOptions
 
 E, N, K, T = 2, 48, 32, 16
 
@@ -111,7 +112,7 @@ def test_parameter_inputs_decide_the_weight_in_any_graph():
     gm = make_fx(fn)(*args)
 
     def roles(param_inputs):
-        ctx = PassContext(Policy(), param_inputs=param_inputs)
+        ctx = PassContext(options=BackendOptions(policy=Policy()), param_inputs=param_inputs)
         find_matmuls(gm, ctx)
         return {site.op: decide(site, site.forward, ctx).operand_roles for site in ctx.sites}
 

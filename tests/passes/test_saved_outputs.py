@@ -107,18 +107,18 @@ def test_backward_recomputes_each_value_just_before_its_first_use(inner, monkeyp
     copies, the weights' FP8 casts with weight_fp8="recompute") are computed right before the node
     that first reads them, not all at the start of backward, where every layer's recomputed values
     were alive at once. Inductor keeps fp8fx's opaque ops in graph order, so its graphs need it too."""
-    from fp8fx.compiler import backend as fp8fx_backend
+    from fp8fx.compiler import lowering
 
     checked = []
     if inner == "inductor":  # check the backward graph Inductor is given, before its fp8fx ops become ATen ops
-        lower = fp8fx_backend.lower_elementwise
+        lower = lowering.lower_elementwise
 
-        def checking(gm, kept_whole):
+        def checking(gm, *args):
             if any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes):
                 checked.append(_recomputed_at_first_use(gm.graph))
-            return lower(gm, kept_whole)
+            return lower(gm, *args)
 
-        monkeypatch.setattr(fp8fx_backend, "lower_elementwise", checking)
+        monkeypatch.setattr(lowering, "lower_elementwise", checking)
     torch.manual_seed(0)
     model = torch.nn.Sequential(GatedBlock(d=64, hidden=128), GatedBlock(d=64, hidden=128))
     backend = fp8fx.backend(inner=inner, keep_graphs=True, weight_fp8="recompute")
