@@ -152,10 +152,16 @@ def _cublas_fp8_gemm(g: Fp8GemmArgs, devices: tuple[str, ...]):
     return cuda.fp8_gemm_on_cuda(g)
 
 
-def _scaled_mm(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, block_a, block_b, fast_accum=False):
-    if not _emulated(a, b):
+def _scaled_mm(*args, devices: tuple[str, ...], **kwargs):
+    """`fp8fx::scaled_mm` (a GEMM without fused epilogue: batched, or `fuse_epilogues=False`): on
+    cuBLAS as its CUDA implementation runs it (traced, as `_cublas_fp8_gemm`), else the exact CPU
+    emulation."""
+    g = ScaledMmArgs.bind(args, kwargs)
+    if _on_cublas(g.a, g.b, g.block_a, g.block_b, "scaled_mm", devices):
+        return cuda.scaled_mm_cuda(*g.operands, g.scale_inv_a, g.scale_inv_b, g.bias, g.out_dtype, g.block_a, g.block_b, g.fast_accum)
+    if not _emulated(g.a, g.b):
         return NotImplemented
-    return reference.emulated_mm(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, block_a, block_b, _to_fp32)
+    return reference.emulated_mm(g.a, g.b, g.scale_inv_a, g.scale_inv_b, g.bias, g.out_dtype, g.block_a, g.block_b, _to_fp32)
 
 
 def _fp8_gemm_emulated(g: Fp8GemmArgs, devices: tuple[str, ...]) -> bool:
@@ -174,7 +180,8 @@ def _runs_emulated(gemm: fx.Node, cublas_devices: tuple[str, ...]) -> bool:
     """Whether an `fp8fx::` GEMM node becomes the exact CPU emulation here (`_scaled_mm`, `_fp8_gemm`)."""
     if gemm.target is fp8fx_ops.scaled_mm.default:
         g = ScaledMmArgs.of(gemm)
-        return _emulated(g.a.meta["val"], g.b.meta["val"])
+        a, b = g.a.meta["val"], g.b.meta["val"]
+        return not _on_cublas(a, b, g.block_a, g.block_b, "scaled_mm", cublas_devices) and _emulated(a, b)
     if gemm.target is fp8fx_ops.fp8_gemm.default:
         g = Fp8GemmArgs.of(gemm)
         return _fp8_gemm_emulated(g.replace(a=g.a.meta["val"], b=g.b.meta["val"]), cublas_devices)
@@ -187,14 +194,16 @@ LOWERED = {
     fp8fx_ops.cast.default: _cast,
     fp8fx_ops.scale_inverse.default: _scale_inverse,
     fp8fx_ops.saved_copy.default: _saved_copy,
-    fp8fx_ops.scaled_mm.default: _scaled_mm,
-    fp8fx_ops.fp8_gemm.default: _fp8_gemm,  # (needs `devices`: see `lowered`)
+    fp8fx_ops.scaled_mm.default: _scaled_mm,  # (the GEMMs need `devices`: see `lowered`)
+    fp8fx_ops.fp8_gemm.default: _fp8_gemm,
 }
 
 
 def lowered(cublas_devices: tuple[str, ...]) -> dict:
     """`LOWERED` for a backend whose `cublas_devices` option names these devices."""
-    return {**LOWERED, fp8fx_ops.fp8_gemm.default: functools.partial(_fp8_gemm, devices=tuple(cublas_devices))}
+    devices = tuple(cublas_devices)
+    gemms = {op: functools.partial(LOWERED[op], devices=devices) for op in (fp8fx_ops.scaled_mm.default, fp8fx_ops.fp8_gemm.default)}
+    return {**LOWERED, **gemms}
 
 
 # Meta of the nodes a lowered amax, cast or saved copy becomes (the ops that read or write a whole

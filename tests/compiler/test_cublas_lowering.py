@@ -132,3 +132,30 @@ def test_a_cublas_training_step_calls_scaled_mm_from_inductor_code(recipe):
         forward = re.findall(r"empty_strided_cpu\(\(([\d, ]+)\), \([\d, ]+\), torch\.float8_e4m3fn\)", code.split("AOT ID")[1])
         activations = [s for s in forward if s.startswith(("2, 16, ", f"{ids.numel()}, "))]
         assert len(activations) == 3 and not [s for s in forward if s.startswith("2, 4, ") or s.endswith(f", {ids.numel()}")], forward
+
+
+def test_without_fused_epilogues_the_gemms_are_still_cublas_calls_in_inductor_code():
+    """`fuse_epilogues=False` keeps each GEMM an `fp8fx::scaled_mm` with its epilogue as graph ops;
+    under Inductor a GEMM cuBLAS takes as it is still becomes `aten._scaled_mm` in Inductor's code
+    (it was a Python-dispatched op call per GEMM), and the step matches the fp32 step."""
+    torch.manual_seed(SEED)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    x = torch.randn(16, 32)
+
+    def step(m):
+        m.zero_grad()
+        loss = m(x).square().mean()
+        loss.backward()
+        return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    fp32_loss, fp32_grads = step(model)
+    backend = fp8fx.backend(inner="inductor", fuse_epilogues=False, cublas_devices=CUBLAS_ON_CPU)
+    compiled = torch.compile(model, backend=backend)
+    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+        (loss, grads), code = run_and_get_code(step, compiled)
+    code = "\n".join(code)
+    gemms = len(fp8fx.report(backend).fp8_ops)
+    assert gemms == 5  # 2 Linears x (output, input gradient, weight gradient), but x needs no gradient
+    assert fp8fx_calls(code) == []
+    assert len(re.findall(r"extern_kernels\._scaled_mm\(|aten\._scaled_mm\.default\(", code)) == gemms
+    assert sqnr(loss, fp32_loss) > 30 and sqnr(grads, fp32_grads) > 15
