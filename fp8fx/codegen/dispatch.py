@@ -137,10 +137,10 @@ def choose_kernel(kernels: str, variant: GemmVariant, shape: tuple, device: torc
     return "triton", f"fused epilogue saves {saved} memory pass{'es' if saved > 1 else ''}"
 
 
-# Why Inductor gets the epilogue when no table says otherwise: on an H100 (docs/results.md, second
-# run), the 12 GEMMs of a Llama-3-8B-shaped step that the generated kernel ran with fused
-# epilogues took 8.0 ms, where cuBLAS ran the same GEMMs in about 5.1 ms and Inductor fused their
-# epilogues into the next cast's kernel; the H200 selftest table has no shape where the fused
+# Why Inductor gets the epilogue when no table says otherwise: on a Llama-3-8B-shaped step, the
+# GEMMs the generated kernel ran with fused epilogues took longer than cuBLAS running the same
+# GEMMs bare with Inductor fusing their epilogues into the next cast's kernel (docs/results.md,
+# "On a GPU", second and third runs); the H200 selftest table has no shape where the fused
 # kernel beats cuBLAS's bare GEMM.
 UNMEASURED_TO_INDUCTOR = (
     "Inductor fuses the epilogue into its next kernel, and cuBLAS's bare GEMM measured faster than the generated kernel "

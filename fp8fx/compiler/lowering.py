@@ -62,15 +62,16 @@ def _scaled(x: Tensor, scale: Tensor, block: list[int]) -> Tensor:
     The product itself takes a BF16 or FP16 `x` to fp32 (an fp32 scale of at least one dimension
     promotes it): an explicit upcast of a value rounded to BF16 from fp32 is what Inductor's
     `pointless_convert` folds away, and the cast would then read, and Inductor keep, the unrounded
-    fp32 tensor (on an H100, two fp32 gradients of a Llama MLP alive at the backward's peak).
+    fp32 tensor (a Llama MLP's fp32 gradients alive at the backward's peak on a GPU; docs/results.md,
+    "On a GPU", fifth run).
 
     The scale is read through an `as_strided`, which makes Inductor store it (one value per row or
     block, written by the amax's kernel). Computed where it is read instead, its 20-odd scalar ops
     (a power-of-two scale's bit masks, the checks for a zero or non-finite amax) took the product
     past the op count at which Inductor's GPU rules store a value: the fp32 product `x * scale` of
-    every rowwise cast of a recomputed tensor was written and read back (a BF16 Llama step, as
-    `bench/peak_memory.py` and `bench/fusion_counts.py` count it: three fp32 MLP-sized tensors
-    alive at the backward's peak, 57 memory passes more)."""
+    every rowwise cast of a recomputed tensor was written and read back, which left fp32 MLP-sized
+    tensors alive at a BF16 Llama step's backward peak and added memory passes (docs/results.md,
+    "Peak memory of a BF16 step as a GPU runs it")."""
     if x.dtype == torch.float64 or x.dim() == 0:
         x = x.to(torch.float32)
     scale = scale.as_strided(scale.shape, scale.stride())

@@ -19,8 +19,9 @@ def input_gradients_first(graph: fx.Graph) -> int:
     of the input gradient and apart from the activation's backward, which reads the same values:
     Inductor keeps what the two share alive across the input-gradient GEMM (on a CPU, SiLU's
     sigmoid in fp32). Input gradient first, as torchao's and the autograd engine's order is, the
-    recompute sits beside the activation's backward (`bench/peak_memory.py`, a BF16 Llama step:
-    11.96 -> 11.52 MiB rowwise, 11.54 -> 11.17 tensorwise)."""
+    recompute sits beside the activation's backward, which lowers a BF16 Llama step's peak under
+    both rowwise and tensorwise scaling (docs/results.md, "Peak memory of a BF16 step as a GPU
+    runs it")."""
     gemms: dict[str, dict[str, list[fx.Node]]] = collections.defaultdict(lambda: collections.defaultdict(list))
     for gemm in fp8_gemm_nodes(graph):
         ann = annotation(gemm)

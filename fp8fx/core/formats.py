@@ -70,8 +70,8 @@ def saturating_cast(x_scaled: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """`x.to(torch.float32)`, exactly, for FP8 tensors and faster on CPU.
 
-    PyTorch converts FP8 element by element (about 1 to 1.6 ms per million values on a 2-core CPU,
-    the largest cost of an emulated GEMM after the GEMM itself); fp16 -> fp32 is a vectorised
+    PyTorch converts FP8 element by element (the largest cost of an emulated GEMM after the GEMM
+    itself; docs/results.md, "Benchmarks (CPU)"); fp16 -> fp32 is a vectorised
     conversion, so going through fp16 bits takes a fraction of that. E5M2 is fp16's top byte,
     NaN and infinities included. E4M3's bits shifted left by 7 (sign kept in place) are an fp16 of
     the same value times 2**-8, subnormals included, because E4M3's bias (7) is fp16's (15) minus

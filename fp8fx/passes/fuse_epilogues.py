@@ -215,15 +215,15 @@ class _Fuser:
             # In training graphs an aux output costs saved memory unless it replaces what backward
             # would save anyway: min-cut cannot recompute through the fused op, so when backward
             # also reads the result it saves both (unfused: one, the activation recomputed), and
-            # aux outputs of backward GEMMs also raised the saved bytes (bench/saved_memory.py:
-            # 0.80x vs 0.64x of fp32 on a Llama). Those chains end before the aux value instead.
+            # aux outputs of backward GEMMs also raised the saved bytes (docs/results.md,
+            # "Benchmarks (CPU)", bench/saved_memory.py). Those chains end before the aux value instead.
             if _is_backward(gemm) or _used_by_backward(final):
                 return _could_not_join(gemm, final)
             # Nothing but widening casts after the aux value: the kernel would write the value twice,
             # narrow and wide (bf16 logits and their fp32 copy: 6 bytes an element), and the wide
-            # copy outlives it (the lm_head's fp32 logits, saved for the loss's backward: +0.5 GiB at
-            # the peak of a Llama-3-8B-shaped step on an H100). Unfused, the consumer's kernel widens
-            # the value as it reads it.
+            # copy outlives it (the lm_head's fp32 logits, saved for the loss's backward, twice the
+            # bytes of the BF16 logits at the step's peak; docs/results.md, "Peak memory of a BF16
+            # step as a GPU runs it"). Unfused, the consumer's kernel widens the value as it reads it.
             after = steps[[node for _, node, _ in steps].index(aux_node) + 1 :] if aux_node is not gemm else steps
             if all(kind in ("reshape", "cast") for kind, _, _ in after):
                 last = steps[-1][1]

@@ -53,38 +53,38 @@ A step (`predict_step`) is the sum of its GEMMs plus what FP8 leaves as it is, t
 and FP8: attention; the bytes the other ops move (`Report.non_gemm_bytes`: norms, elementwise,
 cross-entropy, embeddings) at `memory_efficiency` of HBM bandwidth; and, for a training step, the
 optimizer (`optimizer_us`: torch's AdamW over every trainable parameter, embeddings and LM head
-included). These dilute the GEMMs' speedup: on an H100 the Llama-3-8B-shaped step of
-bench/llama_gpu.py gains 1.51x in its GEMMs and 1.21x over the step. Communication, recomputation
-and host overheads are outside the model (the measured steps are GPU-bound).
+included). These dilute the GEMMs' speedup: a step gains less than its GEMMs do (docs/cost-model.md,
+"What a predicted step holds"). Communication, recomputation and host overheads are outside the
+model (the measured steps are GPU-bound).
 
 The Hopper targets (`_HOPPER`) are calibrated on fp8fx's own steps (bench/llama_gpu.py, docs/results.md
 "On a GPU": the H200 "Third run" profile and steps); `bench/predict_steps.py` prints the predicted
-against the measured step speedups, within 6% on the H100 runs the calibration did not use. The
-other targets keep the calibration on published figures below. `tests/reporting/test_costmodel.py` checks the predictions
-against published figures, each table with its tolerance (docs/cost-model.md lists every row):
-TransformerEngine's GEMM-level speedups on H200 for a 5B-shaped layer (delayed 1.69x, current
-1.57x, block 1.41x, raw kernel 1.92x; predicted 1.56, 1.48, 1.32, 1.83); TE's per-GEMM Fprop times
-on B300 for BF16, FP8 current and delayed, MXFP8 and NVFP4 (20 rows within 30%, 14 within 15%) and
-its per-layer totals on B300 and H200 (13 rows within 20%, the B300 pre-quantized ones within 5%);
-DeepGEMM's blockwise TFLOP/s on H800 (M=4096 within 16%, M=64/128 within 30%); torchao's MXFP8
-inference speedup for M=K=N on B200 (within 14%, 1% from 8192 up); torchao's Llama3-8B training step
-on H100 (tensorwise 1.25x, rowwise 1.10x; predicted 1.17 and 1.06) and the trends of a GPT-3-shaped
-block sweep (TP=8). The main-loop, blockwise, MXFP8, NVFP4 and cast efficiencies were set on those
-tables, so they are a calibration, not independent checks. On Hopper, fp8fx's measured rates
-replace the main-loop and rowwise ones (TE's H200 figures are then held as speedups).
+against the measured step speedups, including the H100 runs the calibration did not use
+(docs/cost-model.md, "Predicted against measured step speedups"). The other targets keep the
+calibration on published figures below. `tests/reporting/test_costmodel.py` checks the predictions
+against published figures, each table with its tolerance (docs/cost-model.md, "Checks against
+published figures", lists every row with its prediction): TransformerEngine's GEMM-level speedups
+on H200 for a 5B-shaped layer (delayed, current and block scaling, and the raw kernel); TE's
+per-GEMM Fprop times on B300 for BF16, FP8 current and delayed, MXFP8 and NVFP4, and its per-layer
+totals on B300 and H200; DeepGEMM's blockwise TFLOP/s on H800; torchao's MXFP8 inference speedup
+for M=K=N on B200; torchao's Llama3-8B training step on H100 (tensorwise and rowwise) and the
+trends of a GPT-3-shaped block sweep (TP=8). The main-loop, blockwise, MXFP8, NVFP4 and cast
+efficiencies were set on those tables, so they are a calibration, not independent checks. On
+Hopper, fp8fx's measured rates replace the main-loop and rowwise ones (TE's H200 figures are then
+held as speedups).
 
-Not captured: the kernel a library picks for a small output (DeepGEMM's narrow tiles without
-split-K: its M=128, N=2112 GEMM is 25% slower, its N=7168, K=2048 ones 17-25% faster than
-predicted); kernel-only timings (the launch is always charged); TE's quantization beyond the passes
-above (its current-scaling B300 layer spends 2.3 ms quantizing where the model has 1.2) and TE's
-single MXFP8 quantize into both layouts; power and clock limits (TE's BF16 GEMMs on B300 range
-from 0.66 to 0.77 of peak by shape); NVFP4's random Hadamard transform and 2D weight blocks. In a
+Not captured (docs/cost-model.md, "Known limits", has the figures): the kernel a library picks
+for a small output (DeepGEMM's narrow tiles without split-K, slower or faster than predicted by
+shape); kernel-only timings (the launch is always charged); TE's quantization beyond the passes
+above (its current-scaling B300 layer spends more time quantizing than the model has) and TE's
+single MXFP8 quantize into both layouts; power and clock limits (TE's BF16 GEMMs on B300 reach
+different fractions of peak by shape); NVFP4's random Hadamard transform and 2D weight blocks. In a
 step: the other ops' bytes count each op's result once, so an op Inductor runs as several kernels
 but the graph holds as one (LayerNorm) counts less than one the graph holds decomposed (RMSNorm):
-the GPT-3-shaped step's other ops are under-predicted (BF16 34.3 ms against 36.5 measured); an
-analysis counts the casts' passes as the ops run one by one, not from Inductor's kernels; flash
-attention (no explicit mask, causal) runs faster than `attention_efficiency`; no per-shape
-GEMM rates (cuBLAS's small FP8 GEMMs run further from the peak than the tile model says).
+the GPT-3-shaped step's other ops are under-predicted; an analysis counts the casts' passes as the
+ops run one by one, not from Inductor's kernels; flash attention (no explicit mask, causal) runs
+faster than `attention_efficiency`; no per-shape GEMM rates (cuBLAS's small FP8 GEMMs run further
+from the peak than the tile model says).
 """
 
 from __future__ import annotations

@@ -56,8 +56,8 @@ RECIPES = ("tensorwise", "rowwise", "blockwise")
 # or (GPUs: Hopper's fast accumulation, a different summation order) its SQNR is at least this.
 GEMM_SQNR_DB = 40.0
 # A whole training step passes when no tensor's SQNR against the fp32 step without FP8 falls more
-# than this short of the kernels="scaled_mm" step's (check_step; measured spread between two
-# correct FP8 implementations: at most 0.63 dB over 21 tensors).
+# than this short of the kernels="scaled_mm" step's (check_step): above the spread between two
+# correct FP8 implementations of the step (docs/results.md, "On a GPU", first run).
 STEP_SQNR_MARGIN_DB = 1.0
 AMAX_RTOL = 1e-2  # an epilogue's amax against the reference's (consistent with 40 dB)
 ULP = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float8_e4m3fn: 2**-3, torch.float8_e5m2: 2**-2}
@@ -463,9 +463,9 @@ def check_step(recipe: str, kernels: str, dims: ModelDims, device, where: str, i
     Not the two FP8 steps against each other: two correct implementations that round one
     intermediate differently (an epilogue in fp32 or after a BF16 output) move some values across
     an FP8 rounding boundary at the next cast, and the steps then differ by about FP8's own
-    quantization noise (measured on the CPU emulation of GPU_STEP_DIMS in bf16, fused against
-    unfused epilogues: 27.9 dB rowwise, 22.9 dB tensorwise, while each was within 0.48 / 0.63 dB of
-    the other against fp32)."""
+    quantization noise, while their SQNRs against the fp32 step stay close (fused against unfused
+    epilogues on the CPU emulation of GPU_STEP_DIMS in bf16: docs/results.md, "On a GPU", first
+    run)."""
     base = dict(kind="step", where=where, recipe=recipe, kernels=kernels, baseline="scaled_mm", tokens=dims.batch * dims.seq, dim=dims.dim, dtype=_dtype_name(dtype))
     try:
         exact = step_tensors(None, kernels, dims, device, dtype, inner)
@@ -498,8 +498,8 @@ def build_plan(uses: list[VariantUse], archs=BUILD_ARCHS) -> list[tuple[VariantU
 def build_checks(plan: list[tuple[VariantUse, str]], progress: Progress | None = None) -> list[dict]:
     """Each (variant, architecture) built on the CPU: no register spills, shared memory within the
     limit, the architecture's FP8 tensor-core instruction in the PTX. In this process: for a
-    handful of builds, worker processes cost more in imports than they save (measured 38 s
-    against 7 s for three builds on 2 cores)."""
+    handful of builds, worker processes cost more in imports than they save (docs/results.md,
+    "Benchmarks (CPU)")."""
     from fp8fx.codegen.targets import build_all
 
     checks = []
@@ -521,7 +521,8 @@ def interpreter_job(uses: list[VariantUse], shapes=INTERPRETER_SHAPES, step_reci
 
     The step runs in fp32: Triton's interpreter truncates fp32 -> bf16 conversions (a GPU rounds
     to nearest), which leaves single BF16 GEMMs within a last place but biases a whole BF16 step
-    (measured on this model: 22 dB against kernels="scaled_mm"; 135 dB in fp32)."""
+    far from kernels="scaled_mm"'s, where an fp32 step agrees with it (docs/results.md,
+    "Benchmarks (CPU)")."""
     step = dict(recipe=step_recipe, dims=dataclasses.asdict(dims), dtype="float32") if step_recipe else None
     return dict(uses=[use_to_dict(u) for u in uses], shapes=[list(s) for s in shapes], step=step)
 
