@@ -144,7 +144,8 @@ def _graph_kind(gm: fx.GraphModule) -> str:
 FUSABLE_ACTIVATIONS = (torch.ops.aten.gelu.default, torch.ops.aten.silu.default)
 # Ops that reach the FP8 passes whole under Inductor: activations, to fuse them into epilogues, and
 # matrix products, which Inductor's table turns into elementwise code when a dimension is 1 (mv,
-# dot, a GEMM of a single row: products without a row otherwise). The joint pass decomposes what is left of them, as Inductor would have.
+# dot, a GEMM of a single row: products without a row otherwise). The joint pass decomposes what
+# is left of them, as Inductor would have.
 KEPT_WHOLE = (*FUSABLE_ACTIVATIONS, *BY_TARGET, *OPAQUE)
 
 
@@ -221,9 +222,12 @@ class Fp8fxBackend:
             old.dynamo
             for old in self.graphs
             for new in records
-            if old.dynamo is not None and not old.superseded and old.dynamo.replaced_by(origin.compile_id)
-            and old.kind == new.kind and old.same_params(new)
-        ]  # fmt: skip
+            if old.dynamo is not None
+            and not old.superseded
+            and old.dynamo.replaced_by(origin.compile_id)
+            and old.kind == new.kind
+            and old.same_params(new)
+        ]
         reasons = _recompile_reasons() if replaced else {}
         for old in replaced:
             old.superseded_by, old.recompile_reason = str(origin.compile_id), reasons.get(str(old.compile_id))
@@ -392,7 +396,10 @@ class Fp8fxBackend:
             return compiler
 
         return aot_autograd(
-            fw_compiler=boxed("forward"), bw_compiler=boxed("backward"), inference_compiler=boxed("inference"), partition_fn=partition_fn
+            fw_compiler=boxed("forward"),
+            bw_compiler=boxed("backward"),
+            inference_compiler=boxed("inference"),
+            partition_fn=partition_fn,
         )(gm, example_inputs)
 
     def _compile_inductor(self, gm: fx.GraphModule, example_inputs: list[Any], rewrite: _Rewrite):
@@ -414,10 +421,14 @@ class Fp8fxBackend:
 
             def save() -> None:  # now, and again once a backward compiled later is counted
                 kept = [
-                    {"kind": g.kind, "ops": [op.with_memory_pass_counts(passes) for op in g.ops],
-                     "non_gemm_bytes": g.non_gemm_bytes, "delayed_states": g.delayed_states}
+                    {
+                        "kind": g.kind,
+                        "ops": [op.with_memory_pass_counts(passes) for op in g.ops],
+                        "non_gemm_bytes": g.non_gemm_bytes,
+                        "delayed_states": g.delayed_states,
+                    }
                     for g in made
-                ]  # fmt: skip
+                ]
                 cache.save_records(records_key, kept)
 
             save()
@@ -477,13 +488,18 @@ DEFAULT_BACKEND = Fp8fxBackend()  # what `backend="fp8fx"` resolves to (entry po
 def backend(policy: Policy | str | Path | None = None, **options: Any) -> Fp8fxBackend:
     """A configured backend: `torch.compile(model, backend=fp8fx.backend(policy="p.yaml"))`.
 
-    `fuse_epilogues` fuses each FP8 GEMM's elementwise neighbours into it. `kernels` picks what
-    runs FP8 GEMMs on CUDA: "auto" (per GEMM, `fp8fx.codegen.dispatch.choose_kernel`: the
-    generated kernel where its fused epilogue saves memory passes or a measured table says so,
-    torch._scaled_mm otherwise), "triton" (always the generated kernels) or "scaled_mm"
-    (torch._scaled_mm, then the epilogue in torch). CPU tensors run the exact reference, except
-    that under Triton's interpreter (TRITON_INTERPRET=1) the GEMMs given to the generated kernel
-    run it, through the launcher a GPU uses.
+    `fuse_epilogues` plans each FP8 GEMM with its elementwise neighbours (its epilogue); False
+    leaves every GEMM an `fp8fx::scaled_mm` and its neighbours as graph ops. `kernels` picks what
+    runs each FP8 GEMM on CUDA (docs/kernels.md, "Which kernel runs each GEMM"): "auto" decides per
+    GEMM (`fp8fx.codegen.dispatch`): the faster of the generated kernel with the epilogue and
+    cuBLAS's bare GEMM where this GPU's `fp8fx selftest` table measured both; without a
+    measurement, under Inductor cuBLAS with the epilogue left to Inductor's kernels
+    (`epilogue_to_inductor`), and with inner="eager" the generated kernel where its fused epilogue
+    saves memory passes, cuBLAS otherwise. "triton" always runs the generated kernel, "scaled_mm"
+    cuBLAS (`torch._scaled_mm`) with the epilogue after it. Either way a GEMM only the generated
+    kernel can run (MX scale blocks) runs it. CPU tensors run the exact reference, except that
+    under Triton's interpreter (TRITON_INTERPRET=1) the GEMMs given to the generated kernel run it,
+    through the launcher a GPU uses.
 
     `monitor_every=N` samples every FP8 cast's input every N calls (amax, scale, saturated,
     underflowed and non-finite values; `fp8fx.stats(compiled)`); 0 leaves the monitor out.
@@ -563,7 +579,11 @@ def report(compiled: Any) -> Report:
         param_ids = {id(p) for p in orig.parameters()}
         if found is DEFAULT_BACKEND:
             graphs = [g for g in graphs if g.belongs_to(param_ids)]
-        if orig is compiled and type(orig).__module__.startswith("torch.nn.") and not any(g.belongs_to(param_ids) for g in graphs):
+        if (
+            orig is compiled
+            and type(orig).__module__.startswith("torch.nn.")
+            and not any(g.belongs_to(param_ids) for g in graphs)
+        ):
             warnings.warn(
                 f"fp8fx: {type(orig).__name__}.compile() captures no graph in torch {torch.__version__} (a torch.nn "
                 f"built-in compiled in place is not traced), so its matrix products run in high precision; use "
@@ -602,7 +622,13 @@ def _report(backend: Fp8fxBackend, graphs: list[GraphRecord] | None = None) -> R
         state = "superseded" if g.superseded else "in_use"
         d = g.dynamo
         return [
-            replace(op, compile_id=str(d.compile_id), graph_state=state, superseded_by=d.superseded_by, recompile_reason=d.recompile_reason)
+            replace(
+                op,
+                compile_id=str(d.compile_id),
+                graph_state=state,
+                superseded_by=d.superseded_by,
+                recompile_reason=d.recompile_reason,
+            )
             for op in ops
         ]
 
