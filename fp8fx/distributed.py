@@ -63,9 +63,15 @@ class Fp8AllGatherWeight(torch.Tensor):
     @staticmethod
     def __new__(cls, tensor: torch.Tensor, scaling: AllGatherScaling):
         return torch.Tensor._make_wrapper_subclass(
-            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(), dtype=tensor.dtype,
-            layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad,
-        )  # fmt: skip
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            layout=tensor.layout,
+            device=tensor.device,
+            requires_grad=tensor.requires_grad,
+        )
 
     def __init__(self, tensor: torch.Tensor, scaling: AllGatherScaling):
         self._tensor = tensor
@@ -110,7 +116,14 @@ class Fp8AllGatherWeight(torch.Tensor):
         # As bytes: collectives (gloo among them) need not know the FP8 dtypes.
         return (data.view(torch.uint8),), (scale,)
 
-    def fsdp_post_all_gather(self, outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype, *, out=None):  # noqa: ANN001
+    def fsdp_post_all_gather(
+        self,
+        outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out=None,  # noqa: ANN001
+    ):
         """Dequantize the gathered FP8 weight to the parameter dtype (into `out` when FSDP2 reuses it)."""
         (data,), (scale,) = outputs, metadata
         weight = (data.view(self._scaling.fmt.dtype).float() * scale.reciprocal()).to(param_dtype)
@@ -136,18 +149,26 @@ def _fp8_all_gather_problem(policy: Policy, name: str, module: nn.Linear) -> tup
     kind = "addmm" if module.bias is not None else "mm"
     out_features, in_features = module.weight.shape
     reads = {"output": ("input", "weight"), "grad_input": ("grad_output", "weight")}
-    decisions = {role: policy_decision(policy, (name,), kind, role, roles, (out_features, in_features)) for role, roles in reads.items()}
+    decisions = {
+        role: policy_decision(policy, (name,), kind, role, roles, (out_features, in_features)) for role, roles in reads.items()
+    }
     out = decisions["output"]
     if any(d.reason_kind is ReasonKind.OP_KIND for d in decisions.values()):
         return out.reason, None
     high = [role for role, d in decisions.items() if d.reason_kind is ReasonKind.POLICY and not d.fp8]
     if high:  # a high-precision GEMM must see the weight itself, not its FP8 rounding
         where = decisions[high[0]].source
-        return f"{where}: the weight's {' and '.join(high)} {'GEMMs run' if len(high) > 1 else 'GEMM runs'} in high precision", None
+        return (
+            f"{where}: the weight's {' and '.join(high)} {'GEMMs run' if len(high) > 1 else 'GEMM runs'} in high precision",
+            None,
+        )
     if any(d.reason_kind is ReasonKind.SHAPE for d in decisions.values()):
         return f"weight shape {tuple(module.weight.shape)} is not a multiple of {ALIGN}: its GEMMs stay high", None
     if out.scaling is not Scaling.DYNAMIC:
-        return f"{out.source}: {out.scaling.value} scaling casts with the scale of its amax history, not the weight's own amax", None
+        return (
+            f"{out.source}: {out.scaling.value} scaling casts with the scale of its amax history, not the weight's own amax",
+            None,
+        )
     if out.granularity is not Granularity.TENSORWISE:
         return f"{out.source}: {out.granularity.value} weight scales would quantize the gathered FP8 weight a second time", None
     return None, AllGatherScaling(out.formats[1], out.margin, out.power_of_two)
@@ -168,7 +189,9 @@ def enable_fp8_all_gather(model: nn.Module, policy: Policy | str | Path | None =
             decisions.append(AllGatherDecision(name, True, "already gathered in FP8"))
             continue
         if type(module.weight) is not nn.Parameter or type(module.weight.data) is not torch.Tensor:
-            raise ValueError(f"fp8fx: {name}.weight is a {type(module.weight.data).__name__}; call enable_fp8_all_gather before fully_shard")
+            raise ValueError(
+                f"fp8fx: {name}.weight is a {type(module.weight.data).__name__}; call enable_fp8_all_gather before fully_shard"
+            )
         problem, scaling = _fp8_all_gather_problem(policy, name, module)
         if problem is not None:
             decisions.append(AllGatherDecision(name, False, problem))
@@ -258,7 +281,9 @@ class Fp8ReduceScatter:
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):  # noqa: ANN001 - FSDP2's signature
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            raise NotImplementedError(f"fp8fx: FP8 reduce-scatter supports SUM and AVG, not {op} (FSDP2's gradient divide factor)")
+            raise NotImplementedError(
+                f"fp8fx: FP8 reduce-scatter supports SUM and AVG, not {op} (FSDP2's gradient divide factor)"
+            )
         self.comm.reduce_scatter(output_tensor, input_tensor, group, average=op == dist.ReduceOp.AVG)
         return None
 
@@ -322,7 +347,10 @@ def ddp_with_level(model: nn.Module, policy: Policy, **ddp_kwargs: Any) -> tuple
 
     level = _level_of(policy)
     if level is Level.O3:
-        raise ValueError("fp8fx: level O3 keeps sharded FP16 master weights and FP8 weight all-gathers: use FSDP2 (fp8fx.distributed.shard_with_level)")
+        raise ValueError(
+            "fp8fx: level O3 keeps sharded FP16 master weights and FP8 weight all-gathers: use FSDP2 "
+            "(fp8fx.distributed.shard_with_level)"
+        )
     ddp = DistributedDataParallel(model, **ddp_kwargs)
     comm = Fp8GradientComm()
     ddp.register_comm_hook(comm, fp8_allreduce_hook)

@@ -39,7 +39,10 @@ class _OneLineErrors(TyperGroup):
 
 
 app = typer.Typer(
-    cls=_OneLineErrors, help="FP8 training and inference for PyTorch as a torch.compile backend.", no_args_is_help=True, add_completion=False
+    cls=_OneLineErrors,
+    help="FP8 training and inference for PyTorch as a torch.compile backend.",
+    no_args_is_help=True,
+    add_completion=False,
 )
 policy_app = typer.Typer(help="Work with precision-policy YAML files.", no_args_is_help=True)
 app.add_typer(policy_app, name="policy")
@@ -105,7 +108,9 @@ def _chosen_policy(policy: Path | None, recipe: str | None, debug: bool):
 @app.command()
 def demo(
     steps: int = typer.Option(10, min=1, help="Training steps."),
-    inner: str = typer.Option("eager", help="Inner compiler after the FP8 passes: eager (compiles in a second) or inductor (about a minute on CPU)."),
+    inner: str = typer.Option(
+        "eager", help="Inner compiler after the FP8 passes: eager (compiles in a second) or inductor (about a minute on CPU)."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON instead of a table."),
 ) -> None:
     """Train a 2-block transformer with fp8fx on CPU beside an fp32 twin and print the precision report."""
@@ -136,7 +141,10 @@ def policy_validate(file: Path = typer.Argument(..., help="Policy YAML file.")) 
     except PolicyError as e:
         _fail(str(e))
     d = policy.defaults
-    typer.echo(f"{file}: valid. defaults: format={d.format.value} scaling={d.scaling.value} granularity={d.granularity.value} ops={','.join(d.ops)}")
+    typer.echo(
+        f"{file}: valid. defaults: format={d.format.value} scaling={d.scaling.value} "
+        f"granularity={d.granularity.value} ops={','.join(d.ops)}"
+    )
     for i, rule in enumerate(policy.rules):
         parts = [f"match={rule.match!r}"]
         if rule.op:
@@ -156,25 +164,44 @@ FORMATS = ("table", "json", "md", "html")
 @app.command()
 def analyze(
     model_file: Path = typer.Argument(
-        ..., help="Python file defining build_model() (or model) and example_inputs(); optional loss_fn(output) for --train, calibration_data() for --numerics."
+        ...,
+        help="Python file defining build_model() (or model) and example_inputs(); optional loss_fn(output) for --train, "
+        "calibration_data() for --numerics.",
     ),
     policy: Path | None = typer.Option(None, "--policy", help="Precision-policy YAML file."),
     recipe: str | None = typer.Option(None, "--recipe", help="A named recipe instead of a policy file (see `fp8fx recipes`)."),
     train: bool = typer.Option(False, "--train", help="Analyse the training step: forward and backward GEMMs."),
     target: str | None = typer.Option(
-        None, "--target", help="Predict BF16 and FP8 time per GEMM and per step on a GPU: h100, h100-pcie, h200, h800, b200, b300, gb200, or a spec 'fp8=TFLOPS,bf16=TFLOPS,bw=TB/s,sms=N'."
+        None,
+        "--target",
+        help="Predict BF16 and FP8 time per GEMM and per step on a GPU: h100, h100-pcie, h200, h800, b200, b300, gb200, "
+        "or a spec 'fp8=TFLOPS,bf16=TFLOPS,bw=TB/s,sms=N'.",
     ),
     numerics: bool = typer.Option(
-        False, "--numerics", help="Run real tensors (weights initialised by build_model()) and add per-GEMM amax, scale, underflow %, saturation % and SQNR, with what-ifs for every recipe."
+        False,
+        "--numerics",
+        help="Run real tensors (weights initialised by build_model()) and add per-GEMM amax, scale, underflow %, "
+        "saturation % and SQNR, with what-ifs for every recipe.",
     ),
-    calibrate: int = typer.Option(2, "--calibrate", min=1, help="Batches for --numerics, from calibration_data() or else example_inputs()."),
-    fmt: str = typer.Option("table", "--format", help="Output format: table, json, md (Markdown) or html (a self-contained page with plots)."),
+    calibrate: int = typer.Option(
+        2, "--calibrate", min=1, help="Batches for --numerics, from calibration_data() or else example_inputs()."
+    ),
+    fmt: str = typer.Option(
+        "table", "--format", help="Output format: table, json, md (Markdown) or html (a self-contained page with plots)."
+    ),
     output: Path | None = typer.Option(None, "-o", "--output", help="Write the report to this file instead of standard output."),
     suggest: Path | None = typer.Option(
-        None, "--suggest-policy", help="Write a commented policy keeping high the GEMMs predicted slower in FP8 (--target) or below --min-sqnr (--numerics)."
+        None,
+        "--suggest-policy",
+        help="Write a commented policy keeping high the GEMMs predicted slower in FP8 (--target) or below --min-sqnr "
+        "(--numerics).",
     ),
-    min_sqnr: float = typer.Option(18.0, "--min-sqnr", help="SQNR (dB) below which --suggest-policy keeps a GEMM high (with --numerics)."),
-    fail_under: float | None = typer.Option(None, "--fail-under", min=0.0, max=1.0, help="Exit 1 if FP8 covers less than this share (0-1) of GEMM FLOPs."),
+    min_sqnr: float = typer.Option(
+        18.0, "--min-sqnr", help="SQNR (dB) below which --suggest-policy keeps a GEMM high (with --numerics)."
+    ),
+    fail_under: float | None = typer.Option(
+        None, "--fail-under", min=0.0, max=1.0, help="Exit 1 if FP8 covers less than this share (0-1) of GEMM FLOPs."
+    ),
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks."),
 ) -> None:
     """Decide every GEMM of a model as compiling would, and print the per-op precision report.
@@ -204,7 +231,15 @@ def analyze(
             loaded = load_model_file(model_file, real_weights=numerics)
             calibration = loaded.calibration(calibrate) if numerics else None
             with _progress() as progress:
-                report = run_analysis(loaded.model, loaded.example_inputs, chosen, train=train, loss_fn=loaded.loss_fn, calibration=calibration, progress=progress)
+                report = run_analysis(
+                    loaded.model,
+                    loaded.example_inputs,
+                    chosen,
+                    train=train,
+                    loss_fn=loaded.loss_fn,
+                    calibration=calibration,
+                    progress=progress,
+                )
             if spec is not None:
                 report = report.with_predictions(spec)
         except ModelFileError as e:
@@ -215,7 +250,10 @@ def analyze(
             if debug:
                 raise
             module = failing_module(loaded.model, loaded.example_inputs) if loaded is not None else None
-            _fail(f"{model_file}: running the model raised {error_summary(e, model_file)}{f' in module {module}' if module else ''} (--debug for the traceback)")
+            _fail(
+                f"{model_file}: running the model raised {error_summary(e, model_file)}"
+                f"{f' in module {module}' if module else ''} (--debug for the traceback)"
+            )
     if suggest is not None:
         from fp8fx.tools.suggest import suggest_policy
 
@@ -269,7 +307,11 @@ def _progress():
 
         def update(stage: str, done: int, total: int) -> None:
             if stage not in tasks:
-                label = {"analysis": "tracing and deciding", "baseline": "all-high baseline", "numerics": "measuring numerics"}.get(stage, stage)
+                label = {
+                    "analysis": "tracing and deciding",
+                    "baseline": "all-high baseline",
+                    "numerics": "measuring numerics",
+                }.get(stage, stage)
                 tasks[stage] = bar.add_task(label, total=total)
             bar.update(tasks[stage], completed=done)
 
@@ -278,14 +320,27 @@ def _progress():
 
 @app.command()
 def export(
-    model_file: Path = typer.Argument(..., help="Python file defining build_model() (or model) and example_inputs(); optional calibration_data()."),
+    model_file: Path = typer.Argument(
+        ..., help="Python file defining build_model() (or model) and example_inputs(); optional calibration_data()."
+    ),
     onnx_path: Path = typer.Option(..., "--onnx", help="Where to write the ONNX model (nothing is written if a check fails)."),
     policy: Path | None = typer.Option(None, "--policy", help="Precision-policy YAML file."),
     recipe: str | None = typer.Option(None, "--recipe", help="A named recipe instead of a policy file (see `fp8fx recipes`)."),
-    calibrate: int = typer.Option(1, "--calibrate", min=1, help="Batches whose activation amaxes set the static input scales: calibration_data(), or else example_inputs()."),
-    opset: int = typer.Option(21, "--opset", help="ONNX opset: 19 or newer for FP8 QDQ, 21 or newer for blockwise weight scales."),
-    dynamic: str = typer.Option("", "--dynamic", help="Input dimensions kept dynamic, comma-separated: batch (dim 0), seq (dim 1)."),
-    no_verify: bool = typer.Option(False, "--no-verify", help="Skip onnx's checker, shape inference and the onnxruntime comparison."),
+    calibrate: int = typer.Option(
+        1,
+        "--calibrate",
+        min=1,
+        help="Batches whose activation amaxes set the static input scales: calibration_data(), or else example_inputs().",
+    ),
+    opset: int = typer.Option(
+        21, "--opset", help="ONNX opset: 19 or newer for FP8 QDQ, 21 or newer for blockwise weight scales."
+    ),
+    dynamic: str = typer.Option(
+        "", "--dynamic", help="Input dimensions kept dynamic, comma-separated: batch (dim 0), seq (dim 1)."
+    ),
+    no_verify: bool = typer.Option(
+        False, "--no-verify", help="Skip onnx's checker, shape inference and the onnxruntime comparison."
+    ),
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks."),
 ) -> None:
     """Export the inference graph as standard ONNX FP8 (QuantizeLinear/DequantizeLinear), verified in onnxruntime.
@@ -301,16 +356,30 @@ def export(
             loaded = load_model_file(model_file, real_weights=True)
             calibration = loaded.calibration(calibrate)
             dims = tuple(d.strip() for d in dynamic.split(",") if d.strip())
-            result = export_onnx(loaded.model, loaded.example_inputs, onnx_path, chosen, calibration, opset=opset, dynamic=dims, verify=not no_verify)
+            result = export_onnx(
+                loaded.model,
+                loaded.example_inputs,
+                onnx_path,
+                chosen,
+                calibration,
+                opset=opset,
+                dynamic=dims,
+                verify=not no_verify,
+            )
     except (ModelFileError, ExportError) as e:
         if debug:
             raise
         _fail(str(e))
     fp8 = [s for s in result.sites if s.precision == "fp8"]
-    typer.echo(f"wrote {result.path} (opset {result.opset}): {len(fp8)}/{len(result.sites)} GEMM sites in FP8, "
-               f"{result.quantize_nodes} QuantizeLinear, {result.dequantize_nodes} DequantizeLinear, {result.fp8_weights} FP8 weights")  # fmt: skip
+    typer.echo(
+        f"wrote {result.path} (opset {result.opset}): {len(fp8)}/{len(result.sites)} GEMM sites in FP8, "
+        f"{result.quantize_nodes} QuantizeLinear, {result.dequantize_nodes} DequantizeLinear, {result.fp8_weights} FP8 weights"
+    )
     if result.verified:
-        typer.echo(f"onnxruntime: max |difference| to fp8fx's emulation {result.max_abs_diff_vs_emulation:.3g}; SQNR against the original model {result.sqnr_vs_original_db:.1f} dB")
+        typer.echo(
+            f"onnxruntime: max |difference| to fp8fx's emulation {result.max_abs_diff_vs_emulation:.3g}; SQNR "
+            f"against the original model {result.sqnr_vs_original_db:.1f} dB"
+        )
     else:
         typer.echo("not verified (--no-verify)")
     width = max(len(s.site) for s in result.sites)
@@ -320,12 +389,21 @@ def export(
 
 @app.command()
 def bisect(
-    model_file: Path = typer.Argument(..., help="Python file defining build_model() (or model) and example_inputs(); optional loss_fn(output), calibration_data()."),
+    model_file: Path = typer.Argument(
+        ...,
+        help="Python file defining build_model() (or model) and example_inputs(); optional loss_fn(output), calibration_data().",
+    ),
     steps: int = typer.Option(8, "--steps", min=1, help="Training steps replayed in fp32 and in FP8 (one batch each)."),
     policy: Path | None = typer.Option(None, "--policy", help="Precision-policy YAML file of the FP8 run."),
     recipe: str | None = typer.Option(None, "--recipe", help="A named recipe instead of a policy file (see `fp8fx recipes`)."),
     lr: float = typer.Option(1e-2, "--lr", help="SGD learning rate of the replayed steps."),
-    close: float = typer.Option(0.1, "--close", min=0.0, max=1.0, help="A set of GEMMs closes the gap when the gap with them high is at most this share of the FP8 run's."),
+    close: float = typer.Option(
+        0.1,
+        "--close",
+        min=0.0,
+        max=1.0,
+        help="A set of GEMMs closes the gap when the gap with them high is at most this share of the FP8 run's.",
+    ),
     output: Path = typer.Option(Path("fp8fx-bisect.yaml"), "-o", "--output", help="Where to write the policy patch."),
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks."),
 ) -> None:
@@ -408,8 +486,12 @@ def policy_init(
 
 @app.command()
 def selftest(
-    out: Path | None = typer.Option(None, "--out", help="Where to write the JSON results (default: fp8fx-selftest-<device>.json in this directory)."),
-    no_table: bool = typer.Option(False, "--no-table", help="Do not write the measured dispatch table that kernels='auto' reads (GPU only)."),
+    out: Path | None = typer.Option(
+        None, "--out", help="Where to write the JSON results (default: fp8fx-selftest-<device>.json in this directory)."
+    ),
+    no_table: bool = typer.Option(
+        False, "--no-table", help="Do not write the measured dispatch table that kernels='auto' reads (GPU only)."
+    ),
     quick: bool = typer.Option(False, "--quick", help="Time 12 GEMM shapes instead of bench/gemm_gpu.py's 53 (GPU only)."),
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks."),
 ) -> None:
@@ -448,7 +530,10 @@ _CHECK_LABELS = {
     ("step", "gpu"): "training steps (SQNR vs the fp32 step, at most 1 dB short of kernels='scaled_mm')",
     ("build", "offline"): "offline builds (0 spills, FP8 tensor-core instruction)",
     ("gemm", "interpreter"): "GEMMs in Triton's interpreter vs the CPU reference",
-    ("step", "interpreter"): "training step in Triton's interpreter (SQNR vs the fp32 step, at most 1 dB short of kernels='scaled_mm')",
+    (
+        "step",
+        "interpreter",
+    ): "training step in Triton's interpreter (SQNR vs the fp32 step, at most 1 dB short of kernels='scaled_mm')",
     ("interpreter", "interpreter"): "Triton's interpreter",
 }
 
@@ -457,10 +542,15 @@ def _why_failed(c: dict) -> str:
     if c.get("error"):
         return c["error"]
     if c["kind"] == "build":
-        return f"{c['spill_bytes']} spill bytes, shared memory {c['shared_bytes']}/{c['shared_limit']}, FP8 MMA {c['fp8_mma'] or 'missing'}"
+        return (
+            f"{c['spill_bytes']} spill bytes, shared memory {c['shared_bytes']}/{c['shared_limit']}, FP8 MMA "
+            f"{c['fp8_mma'] or 'missing'}"
+        )
     if c["kind"] == "step":
-        return (f"min SQNR vs fp32 {c['min_sqnr_db']} dB (kernels='scaled_mm': {c['baseline_min_sqnr_db']} dB), "
-                f"a tensor {c['max_shortfall_db']} dB short of kernels='scaled_mm''s")  # fmt: skip
+        return (
+            f"min SQNR vs fp32 {c['min_sqnr_db']} dB (kernels='scaled_mm': {c['baseline_min_sqnr_db']} dB), "
+            f"a tensor {c['max_shortfall_db']} dB short of kernels='scaled_mm''s"
+        )
     parts = []  # a GEMM: its failing outputs
     for name, v in c.items():
         if isinstance(v, dict) and v.get("passed") is False:
@@ -476,7 +566,8 @@ def _selftest_lines(result) -> list[str]:
     lines = [f"torch {env['torch']}, Triton {env['triton']}, CUDA {env['cuda']}, fp8fx {env['fp8fx']}"]
     lines += env["limits"]  # what this Triton lacks (fp8fx.codegen.versions)
     lines.append(
-        f"kernel variants in a training step ({', '.join(sorted({r for v in data['variants'] for r in v['recipes']}))}): {len(data['variants'])}"
+        "kernel variants in a training step "
+        f"({', '.join(sorted({r for v in data['variants'] for r in v['recipes']}))}): {len(data['variants'])}"
     )
     for g in data["summary"]:
         label = _CHECK_LABELS.get((g["kind"], g["where"]), f"{g['kind']} ({g['where']})")
@@ -491,17 +582,29 @@ def _selftest_lines(result) -> list[str]:
     if speed:
         for s in speed["summary"]:
             t = s["median_tflops"]
-            lines.append(f"{s['role']} FP8 GEMM ({s['variant']}), median TFLOP/s over {s['shapes']} shapes: generated {t['generated']}, "
-                         f"torch._scaled_mm {t['scaled_mm']}, BF16 torch.mm {t['bf16']}; generated faster on {s['generated_faster']}/{s['compared']}")  # fmt: skip
+            lines.append(
+                f"{s['role']} FP8 GEMM ({s['variant']}), median TFLOP/s over {s['shapes']} shapes: generated {t['generated']}, "
+                f"torch._scaled_mm {t['scaled_mm']}, BF16 torch.mm {t['bf16']}; generated faster on "
+                f"{s['generated_faster']}/{s['compared']}"
+            )
         b = speed["block"]
-        lines.append(f"block training step (ms): fp8fx {b['fp8fx_auto_ms']}, fp8fx kernels='scaled_mm' {b['fp8fx_scaled_mm_ms']}, BF16 torch.compile {b['bf16_ms']}")
+        lines.append(
+            f"block training step (ms): fp8fx {b['fp8fx_auto_ms']}, fp8fx kernels='scaled_mm' "
+            f"{b['fp8fx_scaled_mm_ms']}, BF16 torch.compile {b['bf16_ms']}"
+        )
     lines.append(f"results written to {result.json_path}")
     if result.table_path:
         lines.append(f"dispatch table written to {result.table_path}: kernels='auto' now follows these measurements on this GPU")
     elif data["gpu"] is None:
         lines.append("no dispatch table written (no GPU)")
     failed, total = sum(not c["passed"] for c in data["checks"]), len(data["checks"])
-    verdict = f"all {total} checks passed" if data["passed"] else f"{failed} of {total} checks FAILED" if total else "FAILED: no check ran"
+    verdict = (
+        f"all {total} checks passed"
+        if data["passed"]
+        else f"{failed} of {total} checks FAILED"
+        if total
+        else "FAILED: no check ran"
+    )
     lines.append(f"{verdict} ({data['seconds']:.0f} s)")
     return lines
 

@@ -108,7 +108,10 @@ def measured_choice(table: list[dict], variant: GemmVariant, shape: tuple) -> tu
     e = _nearest(table, variant.name, shape)
     if e is None:
         return None
-    where = f"measured at {e['m']}x{e['n']}x{e['k']}: generated {e['generated_ms']:.3g} ms, torch._scaled_mm {e['scaled_mm_ms']:.3g} ms"
+    where = (
+        f"measured at {e['m']}x{e['n']}x{e['k']}: generated {e['generated_ms']:.3g} ms, torch._scaled_mm "
+        f"{e['scaled_mm_ms']:.3g} ms"
+    )
     return ("triton", where) if e["generated_ms"] <= e["scaled_mm_ms"] else ("scaled_mm", where)
 
 

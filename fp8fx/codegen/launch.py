@@ -252,14 +252,29 @@ def fp8_gemm(
 
         operands = operand_descriptors(a, bt)
     args = (
-        *operands, out, scale_inv_a, scale_inv_b,
-        bias if bias is not None else placeholder, other if other is not None else placeholder,
-        residual if residual is not None else placeholder, aux if aux is not None else placeholder,
-        out_scale if out_scale is not None else placeholder, amax if amax is not None else placeholder,
-        m, n, k, m_bucket(m), *_operand_strides(a, bt, family), out.stride(0), out.stride(1),
-        *_scale_strides(scale_inv_a, block_a), *_scale_strides(scale_inv_b, block_b),
-        *strides(other), *strides(residual), *strides(aux),
-    )  # fmt: skip
+        *operands,
+        out,
+        scale_inv_a,
+        scale_inv_b,
+        bias if bias is not None else placeholder,
+        other if other is not None else placeholder,
+        residual if residual is not None else placeholder,
+        aux if aux is not None else placeholder,
+        out_scale if out_scale is not None else placeholder,
+        amax if amax is not None else placeholder,
+        m,
+        n,
+        k,
+        m_bucket(m),
+        *_operand_strides(a, bt, family),
+        out.stride(0),
+        out.stride(1),
+        *_scale_strides(scale_inv_a, block_a),
+        *_scale_strides(scale_inv_b, block_b),
+        *strides(other),
+        *strides(residual),
+        *strides(aux),
+    )
     sms = plan.sms
     plan.kernel[lambda meta: gemm_grid(m, n, _config_of(meta), family, sms)](*args, **plan.constexprs)
     return out, aux, amax
@@ -370,10 +385,29 @@ def nvfp4_gemm(
     sa, tensor_a = _nvfp4_scales(scale_inv_a, block_a, m, k_scales, per_row=True)
     sb, tensor_b = _nvfp4_scales(scale_inv_b, block_b, n, k_scales, per_row=False)
     kernel[lambda meta: gemm_grid(m, n, _config_of(meta), "pointer", 0)](
-        packed_a, packed_bt, out, sa, sb, tensor_a, tensor_b, m, n, packed_a.shape[1], k_scales, m_bucket(m),
-        packed_a.stride(0), packed_a.stride(1), packed_bt.stride(0), packed_bt.stride(1), out.stride(0), out.stride(1),
-        sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
-    )  # fmt: skip
+        packed_a,
+        packed_bt,
+        out,
+        sa,
+        sb,
+        tensor_a,
+        tensor_b,
+        m,
+        n,
+        packed_a.shape[1],
+        k_scales,
+        m_bucket(m),
+        packed_a.stride(0),
+        packed_a.stride(1),
+        packed_bt.stride(0),
+        packed_bt.stride(1),
+        out.stride(0),
+        out.stride(1),
+        sa.stride(0),
+        sa.stride(1),
+        sb.stride(0),
+        sb.stride(1),
+    )
     return out
 
 
@@ -415,7 +449,8 @@ def _k_block_scales(scale_a: Tensor, scale_b: Tensor, block_a: tuple, block_b: t
     ok = ok and (b_cols == 1 or (b.dim() == 3 and b_cols == k_block))
     if not ok:
         raise ValueError(
-            f"fp8fx grouped FP8 GEMM: blocks along K are (1, kb) for a with (kb, 1) or, for a 3-D b, (kb, kb) for b; got {block_a} x {block_b}"
+            "fp8fx grouped FP8 GEMM: blocks along K are (1, kb) for a with (kb, 1) or, for a 3-D b, (kb, kb) for b; "
+            f"got {block_a} x {block_b}"
         )
     _check_scales("fp8fx grouped FP8 GEMM", ("scale_a", scale_a, a, block_a), ("scale_b", scale_b, b, block_b))
     sb_group = scale_b.stride(0) if b.dim() == 3 else 0
@@ -495,10 +530,28 @@ def grouped_fp8_gemm(
     b_group_stride = 0 if k_grouped else bt.stride(0)
     kernel = grouped_autotuner(target, variant)
     kernel[grid](
-        a, bt, out, scale_a, scale_b, offs, groups, m, n, k, m_bucket(m), m_bucket(k),
-        a.stride(0), a.stride(1), b_group_stride, bt.stride(-1), bt.stride(-2), *out_strides, *sa_strides, *sb_strides,
+        a,
+        bt,
+        out,
+        scale_a,
+        scale_b,
+        offs,
+        groups,
+        m,
+        n,
+        k,
+        m_bucket(m),
+        m_bucket(k),
+        a.stride(0),
+        a.stride(1),
+        b_group_stride,
+        bt.stride(-1),
+        bt.stride(-2),
+        *out_strides,
+        *sa_strides,
+        *sb_strides,
         **variant.constexprs(),
-    )  # fmt: skip
+    )
     return out
 
 
@@ -509,9 +562,24 @@ def _launch_quantize(x: Tensor, out: Tensor, scale: Tensor, amax: Tensor, varian
     scale_strides = (scale.stride(0), scale.stride(1)) if block else (0, 0)
     grid, columns_first = block_grid(triton.cdiv(r, b0) if b0 else 1, triton.cdiv(c, b1) if b1 else 1)
     quantize_kernel[grid](
-        x, out, scale, amax, r, c, x.stride(0), x.stride(1), out.stride(0), out.stride(1), *scale_strides,
-        ROW_BLOCK=b0, COL_BLOCK=b1, TILE_R=tile_r, TILE_C=tile_c, COLUMNS_FIRST=columns_first, **variant.constexprs(),
-    )  # fmt: skip
+        x,
+        out,
+        scale,
+        amax,
+        r,
+        c,
+        x.stride(0),
+        x.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *scale_strides,
+        ROW_BLOCK=b0,
+        COL_BLOCK=b1,
+        TILE_R=tile_r,
+        TILE_C=tile_c,
+        COLUMNS_FIRST=columns_first,
+        **variant.constexprs(),
+    )
 
 
 def block_grid(row_blocks: int, col_blocks: int) -> tuple[tuple[int, int], bool]:
@@ -583,11 +651,13 @@ def cast(x: Tensor, scale: Tensor, dtype: torch.dtype, block: tuple = ()) -> Ten
     _check_device({"x": x, "scale": scale})
     if x.dim() < 2 or (x.dim() > 2 and block and block[0] != 1):
         raise ValueError(
-            f"fp8fx cast: needs a 2-D tensor (N-D only tensorwise or with row blocks of 1), got {tuple(x.shape)} with block {block}"
+            f"fp8fx cast: needs a 2-D tensor (N-D only tensorwise or with row blocks of 1), got {tuple(x.shape)} "
+            f"with block {block}"
         )
     if tuple(scale.shape) != tuple(scale_shape(x.shape, block)) or scale.dtype != torch.float32:
         raise ValueError(
-            f"fp8fx cast: scale must be fp32 of shape {tuple(scale_shape(x.shape, block))}, got {scale.dtype} {tuple(scale.shape)}"
+            f"fp8fx cast: scale must be fp32 of shape {tuple(scale_shape(x.shape, block))}, got {scale.dtype} "
+            f"{tuple(scale.shape)}"
         )
     out = torch.empty_like(x, dtype=dtype)
     x_in, out_in = x, out

@@ -17,11 +17,33 @@ from fp8fx.codegen.triton_kernels import tile_position
 
 @triton.jit
 def nvfp4_gemm_kernel(
-    a_ptr, b_ptr, out_ptr, scale_a_ptr, scale_b_ptr, tensor_scale_a_ptr, tensor_scale_b_ptr,
-    M, N, K_BYTES, K_SCALES, M_BUCKET,
-    stride_am, stride_ak, stride_bn, stride_bk, stride_om, stride_on, stride_sa_m, stride_sa_k, stride_sb_n, stride_sb_k,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):  # fmt: skip
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    scale_a_ptr,
+    scale_b_ptr,
+    tensor_scale_a_ptr,
+    tensor_scale_b_ptr,
+    M,
+    N,
+    K_BYTES,
+    K_SCALES,
+    M_BUCKET,
+    stride_am,
+    stride_ak,
+    stride_bn,
+    stride_bk,
+    stride_om,
+    stride_on,
+    stride_sa_m,
+    stride_sa_k,
+    stride_sb_n,
+    stride_sb_k,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     """One output tile per program: out = (A * sa) @ (B * sb) * tensor_scale_a * tensor_scale_b.
     BLOCK_K counts FP4 elements (BLOCK_K / 2 bytes, BLOCK_K / 16 scales per row per step); K past
     K_BYTES loads zero codes. M_BUCKET is the autotuner's key only."""

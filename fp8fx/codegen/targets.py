@@ -41,8 +41,10 @@ BLOCK_SCALED_MMA = re.compile(r"tcgen05\.mma\.\S*kind::mxf8f6f4\.block_scale\S*"
 NVFP4_MMA = re.compile(r"tcgen05\.mma\.\S*kind::mxf4nvf4\.block_scale\.(?:block16|scale_vec::4X)")
 # PTX's older names of the block-scaled MMAs' scale blocks (Triton < 3.9 prints them): the same
 # instructions, one scale per 32 (mxf8f6f4) or 16 (mxf4nvf4) elements of K. Results say the new ones.
-_SCALE_VEC_ALIASES = {"kind::mxf8f6f4.block_scale.scale_vec::1X": "kind::mxf8f6f4.block_scale.block32",
-                      "kind::mxf4nvf4.block_scale.scale_vec::4X": "kind::mxf4nvf4.block_scale.block16"}  # fmt: skip
+_SCALE_VEC_ALIASES = {
+    "kind::mxf8f6f4.block_scale.scale_vec::1X": "kind::mxf8f6f4.block_scale.block32",
+    "kind::mxf4nvf4.block_scale.scale_vec::4X": "kind::mxf4nvf4.block_scale.block16",
+}
 _PTR = {
     torch.float8_e4m3fn: "*fp8e4nv",
     torch.float8_e5m2: "*fp8e5",
@@ -183,9 +185,14 @@ def build_nvfp4(arch: str, config: TileConfig, out_dtype: torch.dtype = torch.bf
     from fp8fx.codegen.nvfp4_kernel import nvfp4_gemm_kernel as fn
 
     pointers = {
-        "a_ptr": "*u8", "b_ptr": "*u8", "out_ptr": _PTR[out_dtype], "scale_a_ptr": "*fp8e4nv", "scale_b_ptr": "*fp8e4nv",
-        "tensor_scale_a_ptr": "*fp32", "tensor_scale_b_ptr": "*fp32",
-    }  # fmt: skip
+        "a_ptr": "*u8",
+        "b_ptr": "*u8",
+        "out_ptr": _PTR[out_dtype],
+        "scale_a_ptr": "*fp8e4nv",
+        "scale_b_ptr": "*fp8e4nv",
+        "tensor_scale_a_ptr": "*fp32",
+        "tensor_scale_b_ptr": "*fp32",
+    }
     constexprs = {**config.constexprs(), "stride_ak": 1, "stride_bk": 1, "stride_on": 1, "stride_sa_k": 1, "stride_sb_k": 1}
     signature = _signature(fn, pointers, constexprs)
     aligned = ("N", "K_BYTES", "stride_am", "stride_bn", "stride_om")
@@ -198,9 +205,13 @@ def _grouped_kernel(variant: GroupedVariant, arch: str, config: TileConfig):
 
     # The launcher's layout: K-contiguous operands, row-major outputs, contiguous scales.
     pointers = {
-        "a_ptr": _PTR[variant.a_dtype], "b_ptr": _PTR[variant.b_dtype], "out_ptr": _PTR[variant.out_dtype],
-        "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32", "offs_ptr": "*i32",
-    }  # fmt: skip
+        "a_ptr": _PTR[variant.a_dtype],
+        "b_ptr": _PTR[variant.b_dtype],
+        "out_ptr": _PTR[variant.out_dtype],
+        "scale_a_ptr": "*fp32",
+        "scale_b_ptr": "*fp32",
+        "offs_ptr": "*i32",
+    }
     constexprs = {**variant.constexprs(), **config.constexprs(), "stride_ak": 1, "stride_bk": 1, "stride_on": 1}
     signature = _signature(fn, pointers, constexprs)
     aligned = ("N", "K", "stride_am", "stride_bg", "stride_bn", "stride_og", "stride_om")
@@ -232,10 +243,19 @@ def _result(name: str, arch: str, config: TileConfig, kernel, mma: re.Pattern | 
     found = mma.search(ptx) if mma is not None else None
     registers, spills = _ptxas_report(ptx, arch)
     return BuildResult(
-        name, arch, config.describe(), _mma_name(found.group(0)) if found else None, registers, spills, kernel.metadata.shared, SHARED_MEMORY_LIMIT[arch],
-        family=family, tma=bool(_TMA_LOAD.search(ptx)), warp_specialized=bool(_WARP_SPECIALIZED_TTGIR.search(kernel.asm["ttgir"])),
+        name,
+        arch,
+        config.describe(),
+        _mma_name(found.group(0)) if found else None,
+        registers,
+        spills,
+        kernel.metadata.shared,
+        SHARED_MEMORY_LIMIT[arch],
+        family=family,
+        tma=bool(_TMA_LOAD.search(ptx)),
+        warp_specialized=bool(_WARP_SPECIALIZED_TTGIR.search(kernel.asm["ttgir"])),
         warp_specialize_asked=bool(dict(config.extra).get("WARP_SPECIALIZE", False)),
-    )  # fmt: skip
+    )
 
 
 def _build_one(job) -> BuildResult:

@@ -235,9 +235,23 @@ def _e8m0(scale_inv):
 
 @triton.jit
 def _mx_dot(
-    a, b, acc, offs_m, offs_n, mask_m, mask_n, k0, K, scale_a_ptr, scale_b_ptr,
-    stride_sa_row, stride_sa_k, stride_sb_k, stride_sb_col, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    a,
+    b,
+    acc,
+    offs_m,
+    offs_n,
+    mask_m,
+    mask_n,
+    k0,
+    K,
+    scale_a_ptr,
+    scale_b_ptr,
+    stride_sa_row,
+    stride_sa_k,
+    stride_sb_k,
+    stride_sb_col,
+    BLOCK_K: tl.constexpr,
+):
     """acc += (a * 2**ea) @ (b * 2**eb) on block-scaled tensor cores, the exponents per 1 x 32 (A)
     and 32 x 1 (B) block of this K window read from fp8fx's fp32 scale inverses (MX's are powers
     of two: exact). Blocks past M, N or K get 2**0 (their data is never stored, or zero)."""
@@ -339,8 +353,24 @@ def fp8_gemm_kernel(
         a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
         b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
         if BLOCK_SCALED_MMA:
-            acc = _mx_dot(a, b, acc, offs_m, offs_n, mask_m, mask_n, k0, K, scale_a_ptr, scale_b_ptr,
-                          stride_sa_row, stride_sa_k, stride_sb_k, stride_sb_col, BLOCK_K)  # fmt: skip
+            acc = _mx_dot(
+                a,
+                b,
+                acc,
+                offs_m,
+                offs_n,
+                mask_m,
+                mask_n,
+                k0,
+                K,
+                scale_a_ptr,
+                scale_b_ptr,
+                stride_sa_row,
+                stride_sa_k,
+                stride_sb_k,
+                stride_sb_col,
+                BLOCK_K,
+            )
         elif PER_K_SCALES:
             rows_a, ka = _scale_index(offs_m, k0, A_ROW_BLOCK, A_K_BLOCK)
             cols_b, kb = _scale_index(offs_n, k0, B_COL_BLOCK, B_K_BLOCK)

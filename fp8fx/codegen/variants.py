@@ -71,7 +71,10 @@ class GemmVariant:
 
         ep = self.epilogue.spec().replace(",", "_").replace("=", "-") or "plain"
         fast = "_fastacc" if self.fast_accum else ""
-        return f"fp8_gemm_{_SHORT[self.a_dtype]}{_SHORT[self.b_dtype]}_s{blk(self.block_a)}.{blk(self.block_b)}_{ep}_{_SHORT[self.out_dtype]}{fast}"
+        return (
+            f"fp8_gemm_{_SHORT[self.a_dtype]}{_SHORT[self.b_dtype]}_s{blk(self.block_a)}.{blk(self.block_b)}"
+            f"_{ep}_{_SHORT[self.out_dtype]}{fast}"
+        )
 
     def constexprs(self) -> dict:
         out_fp8 = self.out_dtype in _FP8_CONSTS

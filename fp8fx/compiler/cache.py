@@ -67,9 +67,10 @@ def graph_key(pass_key: str, gm: fx.GraphModule, example_inputs: list[Any]) -> s
     grad mode (the same graph compiles to a training graph, or under no_grad to an inference one)."""
     inputs = [
         (tuple(x.shape), str(x.dtype), tuple(x.stride()), x.requires_grad, isinstance(x, torch.nn.Parameter))
-        if isinstance(x, torch.Tensor) else repr(x)
+        if isinstance(x, torch.Tensor)
+        else repr(x)
         for x in example_inputs
-    ]  # fmt: skip
+    ]
     modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
     return _digest(pass_key, gm.code, inputs, modes)
 

@@ -125,9 +125,11 @@ def _to_fp32(x: Tensor) -> Tensor:
 def _emulated(a: Tensor, b: Tensor, gpu_kernel: str = "scaled_mm") -> bool:
     """Whether a GEMM on `a`, `b` runs the exact CPU emulation (see the module's docstring)."""
     return (
-        a.device.type == "cpu" and a.dtype in FP8_DTYPES and b.dtype in FP8_DTYPES
+        a.device.type == "cpu"
+        and a.dtype in FP8_DTYPES
+        and b.dtype in FP8_DTYPES
         and not (gpu_kernel in ("triton", "nvfp4") and interpreter_active())
-    )  # fmt: skip
+    )
 
 
 def _on_cublas(a: Tensor, b: Tensor, block_a: list[int], block_b: list[int], gpu_kernel: str, devices: tuple[str, ...]) -> bool:
@@ -140,7 +142,10 @@ def _on_cublas(a: Tensor, b: Tensor, block_a: list[int], block_b: list[int], gpu
     if a.dtype == b.dtype == torch.float8_e5m2 or a.dtype not in FP8_DTYPES or b.dtype not in FP8_DTYPES:
         return False
     sizes = (*a.shape, b.shape[1])
-    return all(isinstance(d, int) and d % 16 == 0 for d in sizes) and scaled_mm_kind(block_a, block_b) in ("tensorwise", "rowwise")
+    return all(isinstance(d, int) and d % 16 == 0 for d in sizes) and scaled_mm_kind(block_a, block_b) in (
+        "tensorwise",
+        "rowwise",
+    )
 
 
 def _cublas_fp8_gemm(g: Fp8GemmArgs, devices: tuple[str, ...]):
@@ -159,7 +164,9 @@ def _scaled_mm(*args, devices: tuple[str, ...], **kwargs):
     emulation."""
     g = ScaledMmArgs.bind(args, kwargs)
     if _on_cublas(g.a, g.b, g.block_a, g.block_b, "scaled_mm", devices):
-        return cuda.scaled_mm_cuda(*g.operands, g.scale_inv_a, g.scale_inv_b, g.bias, g.out_dtype, g.block_a, g.block_b, g.fast_accum)
+        return cuda.scaled_mm_cuda(
+            *g.operands, g.scale_inv_a, g.scale_inv_b, g.bias, g.out_dtype, g.block_a, g.block_b, g.fast_accum
+        )
     if not _emulated(g.a, g.b):
         return NotImplemented
     return reference.emulated_mm(g.a, g.b, g.scale_inv_a, g.scale_inv_b, g.bias, g.out_dtype, g.block_a, g.block_b, _to_fp32)
@@ -203,7 +210,9 @@ LOWERED = {
 def lowered(cublas_devices: tuple[str, ...]) -> dict:
     """`LOWERED` for a backend whose `cublas_devices` option names these devices."""
     devices = tuple(cublas_devices)
-    gemms = {op: functools.partial(LOWERED[op], devices=devices) for op in (fp8fx_ops.scaled_mm.default, fp8fx_ops.fp8_gemm.default)}
+    gemms = {
+        op: functools.partial(LOWERED[op], devices=devices) for op in (fp8fx_ops.scaled_mm.default, fp8fx_ops.fp8_gemm.default)
+    }
     return {**LOWERED, **gemms}
 
 
@@ -220,8 +229,9 @@ _ELEMENTWISE = (fp8fx_ops.amax.default, fp8fx_ops.cast.default, fp8fx_ops.saved_
 
 
 def _lowering_meta(graph: fx.Graph, targets=LOWERED) -> dict[fx.Node, dict]:
-    """The meta each lowered node's decomposition gets: `LOWERED_FROM`; for an amax, cast or saved copy, `CHARGED_TO` the first (in graph order) FP8 GEMM its value
-    reaches, or, for a saved copy, the GEMM whose output it copies."""
+    """The meta each lowered node's decomposition gets: `LOWERED_FROM`; for an amax, cast or saved
+    copy, `CHARGED_TO` the first (in graph order) FP8 GEMM its value reaches, or, for a saved copy,
+    the GEMM whose output it copies."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     gemms = {n for n in fp8_gemm_nodes(graph) if annotation(n) is not None}
     charges: dict[fx.Node, dict] = {}
@@ -259,7 +269,9 @@ def lower_elementwise(gm: fx.GraphModule, kept_whole: dict, cublas_devices: tupl
 
 
 # Lowered before partitioning (a joint graph under Inductor): the amax -> scale -> cast chain.
-LOWERED_BEFORE_PARTITION = {op: LOWERED[op] for op in (fp8fx_ops.amax.default, fp8fx_ops.amax_to_scale.default, fp8fx_ops.cast.default)}
+LOWERED_BEFORE_PARTITION = {
+    op: LOWERED[op] for op in (fp8fx_ops.amax.default, fp8fx_ops.amax_to_scale.default, fp8fx_ops.cast.default)
+}
 
 
 def lower_casts(graph: fx.Graph, kept_whole: dict) -> int:
@@ -293,13 +305,21 @@ def let_backward_cast_again(graph: fx.Graph) -> int:
             operand = gemm_args(gemm).operands[side]
             base, chain = _view_chain(operand)
             val = operand.meta["val"]
-            if role != "input" or base.op != "call_function" or val.dtype not in FP8_DTYPES or val.dim() != 2 or val.t().is_contiguous():
+            if (
+                role != "input"
+                or base.op != "call_function"
+                or val.dtype not in FP8_DTYPES
+                or val.dim() != 2
+                or val.t().is_contiguous()
+            ):
                 continue
             key = views_key(base, chain)
             if key not in copies:
                 with graph.inserting_before(gemm):
                     t = add_node(graph, fake_mode, aten.permute.default, (operand, [1, 0]), tag_from=gemm)
-                    copy = add_node(graph, fake_mode, aten.clone.default, (t,), {"memory_format": torch.contiguous_format}, tag_from=gemm)
+                    copy = add_node(
+                        graph, fake_mode, aten.clone.default, (t,), {"memory_format": torch.contiguous_format}, tag_from=gemm
+                    )
                     copies[key] = add_node(graph, fake_mode, aten.permute.default, (copy, [1, 0]), tag_from=gemm)
                 copy.meta.update({PARTITION_COPY: True, "recompute": CheckpointPolicy.MUST_RECOMPUTE})
             gemm_args(gemm).with_operand(side, copies[key]).write(gemm)
@@ -331,19 +351,20 @@ def operand_numels(gm: fx.GraphModule) -> list[int]:
     cast = fp8fx_ops.cast.default
     numels = [n.args[0].meta["val"].numel() for n in gm.graph.nodes if n.target is cast]
     numels += [
-        n.meta["val"].numel() for n in gm.graph.nodes
+        n.meta["val"].numel()
+        for n in gm.graph.nodes
         if n.meta.get(LOWERED_FROM) == cast.name() and getattr(n.meta.get("val"), "dtype", None) in FP8_DTYPES
-    ]  # fmt: skip
+    ]
     return [n for n in numels if isinstance(n, int)]
 
 
 def lay_out_operands(gm: fx.GraphModule, cublas_devices: tuple[str, ...]) -> set[tuple[str, str]]:
     """Give each 2-D FP8 GEMM operand that is not K-contiguous a K-major copy in the graph, one per
-    tensor and layout, before lowering. Inductor writes a copy of a tensor cast
-    here from the cast's kernel (which reads the high-precision tensor once), and a copy of an FP8
-    tensor forward saved for backward, or stored for another GEMM (`_stored_view`), in a tiled
-    transpose kernel, which the GEMMs reading that tensor share. The GPU launcher's own copy of a transposed FP8 tensor is a strided elementwise
-    kernel, several times slower than either. Each copy is charged to the first GEMM that reads it
+    tensor and layout, before lowering. Inductor writes a copy of a tensor cast here from the cast's
+    kernel (which reads the high-precision tensor once), and a copy of an FP8 tensor forward saved
+    for backward, or stored for another GEMM (`_stored_view`), in a tiled transpose kernel, which
+    the GEMMs reading that tensor share. The GPU launcher's own copy of a transposed FP8 tensor is
+    a strided elementwise kernel, several times slower than either. Each copy is charged to the first GEMM that reads it
     (`CHARGED_TO`), so the kernel it runs in counts towards that GEMM's memory passes. Returns the
     (site, role) of the GEMMs whose launchers are left no copy to make (every 2-D GEMM)."""
     fake_mode = fake_mode_of(gm.graph)
@@ -351,7 +372,9 @@ def lay_out_operands(gm: fx.GraphModule, cublas_devices: tuple[str, ...]) -> set
     gemms = set()
     to_lay = []
     sharing: dict[tuple, set[fx.Node]] = {}  # per copy, its GEMMs and the views they read it through
-    for gemm in [n for n in fp8_gemm_nodes(gm.graph) if n.target is not fp8fx_ops.fp8_grouped_mm.default and annotation(n) is not None]:
+    for gemm in [
+        n for n in fp8_gemm_nodes(gm.graph) if n.target is not fp8fx_ops.fp8_grouped_mm.default and annotation(n) is not None
+    ]:
         ann, operands = annotation(gemm), gemm_args(gemm).operands
         if all(x.meta["val"].dim() == 2 for x in operands):
             gemms.add((ann.site, ann.role))
@@ -371,7 +394,9 @@ def lay_out_operands(gm: fx.GraphModule, cublas_devices: tuple[str, ...]) -> set
                 # An emulated GEMM's ATen ops fuse with the cast and the copy: nothing stores them.
                 source = operand if emulated else _stored_view(gm, fake_mode, operand, gemm, sharing[key])
                 t = source if side == 0 else add_node(gm.graph, fake_mode, aten.permute.default, (source, [1, 0]), tag_from=gemm)
-                copy = add_node(gm.graph, fake_mode, aten.clone.default, (t,), {"memory_format": torch.contiguous_format}, tag_from=gemm)
+                copy = add_node(
+                    gm.graph, fake_mode, aten.clone.default, (t,), {"memory_format": torch.contiguous_format}, tag_from=gemm
+                )
                 laid[key] = _copy_read(gm, fake_mode, copy, side, gemm, emulated)
             copy.meta[CHARGED_TO] = (ann.site, ann.role)
         gemm_args(gemm).with_operand(side, laid[key]).write(gemm)

@@ -55,7 +55,8 @@ def _states_needed(model: nn.Module, policy: Any, example_inputs: Any) -> dict[s
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
     if not isinstance(inputs, (tuple, list)) or not any(isinstance(t, torch.Tensor) for t in inputs):
         raise TypeError(
-            f"fp8fx.prepare: example_inputs must be a tensor or a tuple of the model's positional inputs, got {example_inputs!r:.80}"
+            "fp8fx.prepare: example_inputs must be a tensor or a tuple of the model's positional inputs, got "
+            f"{example_inputs!r:.80}"
         )
     if isinstance(policy, Fp8fxBackend):  # the settings that decide which casts exist; eager: nothing to generate
         given = policy

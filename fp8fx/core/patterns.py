@@ -41,7 +41,10 @@ class GemmPattern:
     cost: str = "gemm"  # how the cost model times it: "gemm" (waves of tiles), "grouped_gemm", "fused_attention", "implicit_gemm"
 
 
-_ADDBMM = "aten.addbmm sums its batch of products into one matrix, which fp8fx does not rewrite; its backward GEMMs are bmms (policy op kind bmm)"
+_ADDBMM = (
+    "aten.addbmm sums its batch of products into one matrix, which fp8fx does not rewrite; its backward GEMMs are "
+    "bmms (policy op kind bmm)"
+)
 
 PATTERNS: tuple[GemmPattern, ...] = (
     GemmPattern("mm", aten.mm.default, policy_kind="mm", exportable=True),

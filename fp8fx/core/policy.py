@@ -309,9 +309,18 @@ def _fast_accum_overrides(value: Any, key_path: str) -> dict[str, bool]:
 
 # Settings a rule may set directly (all but `gemms` and `fast_accum`, which merge, and `ops`).
 _RULE_SETTINGS = (
-    "format", "granularity", "power_of_two_scales", "scaling", "margin", "amax_history_len", "amax_compute_algo", "interval",
-    "scale_rounding", "stochastic_rounding", "hadamard",
-)  # fmt: skip
+    "format",
+    "granularity",
+    "power_of_two_scales",
+    "scaling",
+    "margin",
+    "amax_history_len",
+    "amax_compute_algo",
+    "interval",
+    "scale_rounding",
+    "stochastic_rounding",
+    "hadamard",
+)
 
 
 def recipe_settings(name: str, **overrides: Any) -> Settings:
@@ -392,7 +401,9 @@ class Policy:
             except PolicyError as e:
                 raise PolicyError(f"rules[{i}].{e.key_path}", e.message) from None
         if self.calibrate and not self.uses_delayed_scaling:
-            raise PolicyError("calibrate", "true needs delayed scaling (scaling: delayed), the only scaling that keeps scales between steps")
+            raise PolicyError(
+                "calibrate", "true needs delayed scaling (scaling: delayed), the only scaling that keeps scales between steps"
+            )
 
     @property
     def uses_delayed_scaling(self) -> bool:

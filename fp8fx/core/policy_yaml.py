@@ -133,7 +133,13 @@ class _Decoder:
             root,
             "<root>",
             lambda: Policy(
-                defaults=defaults, rules=tuple(rules), source=self.source, recipe=recipe, shadow=shadow, level=level, calibrate=calibrate
+                defaults=defaults,
+                rules=tuple(rules),
+                source=self.source,
+                recipe=recipe,
+                shadow=shadow,
+                level=level,
+                calibrate=calibrate,
             ),
         )
 

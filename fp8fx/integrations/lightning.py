@@ -70,12 +70,14 @@ def _fp8fx_compiled(pl_module: Any) -> tuple[Any, Any] | None:
         backend = find_backend(pl_module.forward)
         if backend is None:
             raise ValueError(
-                "fp8fx Fp8fxCallback: the LightningModule is compiled with another backend; pass it uncompiled, the callback compiles it with fp8fx"
+                "fp8fx Fp8fxCallback: the LightningModule is compiled with another backend; pass it uncompiled, the "
+                "callback compiles it with fp8fx"
             )
         found.append((backend, backend))
     elif _is_compiled(pl_module):
         raise ValueError(
-            "fp8fx Fp8fxCallback: the LightningModule is compiled with another backend; drop that compile, the callback compiles it with fp8fx"
+            "fp8fx Fp8fxCallback: the LightningModule is compiled with another backend; drop that compile, the "
+            "callback compiles it with fp8fx"
         )
     else:
         for name, module in pl_module.named_modules():
@@ -83,7 +85,8 @@ def _fp8fx_compiled(pl_module: Any) -> tuple[Any, Any] | None:
                 backend = find_backend(module)
                 if backend is None:
                     raise ValueError(
-                        f"fp8fx Fp8fxCallback: submodule {name!r} is compiled with another backend; drop that compile or use backend=fp8fx.backend(...)"
+                        f"fp8fx Fp8fxCallback: submodule {name!r} is compiled with another backend; drop that "
+                        "compile or use backend=fp8fx.backend(...)"
                     )
                 found.append((backend, module))
     if not found:
@@ -144,7 +147,8 @@ class Fp8fxCallback(lightning.pytorch.Callback):
         elif found is not None:
             if self.policy is not None or self.monitor_every:
                 raise ValueError(
-                    "fp8fx Fp8fxCallback: the LightningModule is already compiled with fp8fx; give the policy and monitor_every to that fp8fx.backend(...)"
+                    "fp8fx Fp8fxCallback: the LightningModule is already compiled with fp8fx; give the policy and "
+                    "monitor_every to that fp8fx.backend(...)"
                 )
             self.backend, self.compiled = found
         else:

@@ -27,13 +27,14 @@ but "inductor" and "aot_eager" for FlexAttention models. So the converter does w
 float8 MoE converter does: it replaces each transformer block's config (`TransformerBlock.Config`,
 the modules torchtitan's `apply_compile` compiles one by one) with the config of a subclass of the
 same block class whose constructor ends with `self.compile(backend=<the converter's fp8fx
-backend>)`, one graph per block as torchtitan's compile (`fullgraph`). Compiled in place, a block keeps its class's behaviour, its name, its
-parameters and its place under `model.layers`, so activation checkpointing, FSDP2 and checkpoints
-see the model they expect. All blocks share one backend and so one report (`report(model)`), with
-one graph per distinct block: Dynamo compiles the first block and reuses the graph for the others,
-so sites are named inside the block (`attention.wo`, `feed_forward.w2`) and a policy rule for one
-block (`layers.3.*`) never matches; `fqns` leaves whole blocks out instead. The embedding, the
-final norm and `lm_head` are outside the blocks and stay in high precision.
+backend>)`, one graph per block as torchtitan's compile (`fullgraph`). Compiled in place, a block
+keeps its class's behaviour, its name, its parameters and its place under `model.layers`, so
+activation checkpointing, FSDP2 and checkpoints see the model they expect. All blocks share one
+backend and so one report (`report(model)`), with one graph per distinct block: Dynamo compiles
+the first block and reuses the graph for the others, so sites are named inside the block
+(`attention.wo`, `feed_forward.w2`) and a policy rule for one block (`layers.3.*`) never matches;
+`fqns` leaves whole blocks out instead. The embedding, the final norm and `lm_head` are outside
+the blocks and stay in high precision.
 
 torchtitan's own compile must stay off for the model (`compile.enable` false, or "model" not in
 `compile.components`; compiling the loss is fine). Without activation checkpointing its
@@ -189,7 +190,8 @@ class Fp8fxConverter(QuantizationConverter):
                 setattr(parent, attr, new)
         if not found:
             raise ValueError(
-                f"fp8fx converter: {type(model_config).__qualname__} has no transformer blocks (TransformerBlock.Config) to compile"
+                f"fp8fx converter: {type(model_config).__qualname__} has no transformer blocks "
+                "(TransformerBlock.Config) to compile"
             )
         return model_config
 
@@ -229,8 +231,9 @@ def report(model: torch.nn.Module) -> Report:
     backend = backend_of(model)
     if not backend.graphs:
         raise ValueError(
-            "fp8fx.integrations.torchtitan: the fp8fx blocks have compiled no graph; run a forward first, and if one ran, another "
-            "torch.compile traced the blocks instead (torchtitan's compile.enable with activation checkpointing): turn that off"
+            "fp8fx.integrations.torchtitan: the fp8fx blocks have compiled no graph; run a forward first, "
+            "and if one ran, another torch.compile traced the blocks instead "
+            "(torchtitan's compile.enable with activation checkpointing): turn that off"
         )
     return compiled_report(backend)
 

@@ -48,7 +48,8 @@ class Fp8fxCallback(transformers.TrainerCallback):
         self.backend = find_backend(model)
         if self.backend is None:
             raise ValueError(
-                "fp8fx Fp8fxCallback: the model is not compiled with an fp8fx backend; use fp8fx.integrations.transformers.enable(trainer)"
+                "fp8fx Fp8fxCallback: the model is not compiled with an fp8fx backend; use "
+                "fp8fx.integrations.transformers.enable(trainer)"
             )
         self.monitor = MonitorLog(self.backend.monitor) if self.backend.monitor is not None else None
         self.summary_logged = False

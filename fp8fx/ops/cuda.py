@@ -153,10 +153,21 @@ def scaled_mm_cuda(
         def scale(s: Tensor, block: list[int], i: int) -> Tensor:
             return s[i] if block else s
 
-        out = torch.stack([
-            scaled_mm_2d(a[i], b[i], scale(scale_inv_a, block_a, i), scale(scale_inv_b, block_b, i), out_dtype, block_a, block_b, fast_accum)
-            for i in range(a.shape[0])
-        ])  # fmt: skip
+        out = torch.stack(
+            [
+                scaled_mm_2d(
+                    a[i],
+                    b[i],
+                    scale(scale_inv_a, block_a, i),
+                    scale(scale_inv_b, block_b, i),
+                    out_dtype,
+                    block_a,
+                    block_b,
+                    fast_accum,
+                )
+                for i in range(a.shape[0])
+            ]
+        )
     if bias is not None:
         out = out + bias.to(out_dtype)
     return out
@@ -167,10 +178,21 @@ def fp8_gemm_triton(g: Fp8GemmArgs, ep: Epilogue):
     from fp8fx.codegen.launch import fp8_gemm
 
     out, aux, amax = fp8_gemm(
-        g.a, g.b, g.scale_inv_a, g.scale_inv_b, block_a=tuple(g.block_a), block_b=tuple(g.block_b), epilogue=ep, bias=g.bias,
-        other=g.other, residual=g.residual, out_scale=g.out_scale, out_dtype=g.out_dtype, aux_dtype=g.aux_dtype,
+        g.a,
+        g.b,
+        g.scale_inv_a,
+        g.scale_inv_b,
+        block_a=tuple(g.block_a),
+        block_b=tuple(g.block_b),
+        epilogue=ep,
+        bias=g.bias,
+        other=g.other,
+        residual=g.residual,
+        out_scale=g.out_scale,
+        out_dtype=g.out_dtype,
+        aux_dtype=g.aux_dtype,
         fast_accum=g.fast_accum,
-    )  # fmt: skip
+    )
     # Absent outputs are fresh empty tensors (outputs of a custom op may not alias each other).
     aux = aux if aux is not None else out.new_empty(0, dtype=g.aux_dtype)
     return out, aux, amax if amax is not None else out.new_empty(0, dtype=torch.float32)

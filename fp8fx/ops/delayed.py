@@ -40,7 +40,8 @@ def _state(handle: Tensor, key: str):
     instance = _INSTANCES.lookup(number)
     if instance is None:
         raise RuntimeError(
-            f"fp8fx: delayed-scaling handle {number} names no live model instance: the backend that compiled this graph was dropped"
+            f"fp8fx: delayed-scaling handle {number} names no live model instance: the backend that compiled this "
+            "graph was dropped"
         )
     return instance.state(key)
 

@@ -109,9 +109,9 @@ def _grouped_problem(node: fx.Node, offs: fx.Node, settings: Settings) -> tuple[
 def grouped_settings_problem(settings: Settings) -> tuple[ReasonKind, str] | None:
     """What in the resolved settings keeps every grouped GEMM high (their recipe has no grouped lowering)."""
     if settings.granularity is Granularity.NVFP4:
-        return (
-            ReasonKind.PATTERN,
-            "NVFP4's two-level scales are not lowered for grouped GEMMs: a rule with op: [grouped_mm] and an FP8 recipe runs them in FP8",
+        return ReasonKind.PATTERN, (
+            "NVFP4's two-level scales are not lowered for grouped GEMMs: "
+            "a rule with op: [grouped_mm] and an FP8 recipe runs them in FP8"
         )
     if settings.scaling is Scaling.DELAYED:
         return ReasonKind.PATTERN, (
@@ -134,7 +134,10 @@ def _grouped_note(gemm: Gemm, decision: Decision) -> str:
     scales = "scales per group" if per_group and not any(s.lines for s in per_group) else "scales within each group"
     align = max(s.align for s in specs)
     pad = f"; each group's K padded to a multiple of {align} (blocks along K)" if align > 1 else ""
-    return f"; grouped {form} GEMM of {gemm.groups} groups, {scales}{pad}; FLOPs count every row as routed (its offsets are data-dependent)"
+    return (
+        f"; grouped {form} GEMM of {gemm.groups} groups, {scales}{pad}; FLOPs count every row as routed (its offsets "
+        "are data-dependent)"
+    )
 
 
 def _opaque_reason(site: MatmulSite, gemm: Gemm) -> str:
@@ -226,8 +229,15 @@ def _expert_vector_problem(site: MatmulSite, gemm: Gemm) -> str | None:
     )
 
 
-def policy_decision(policy: Policy, names: tuple[str, ...], kind: str, role: str, roles: tuple[str, str], dims: tuple,
-                    operand_problem: Callable[[Settings], tuple[ReasonKind, str] | None] = lambda settings: None) -> Decision:  # fmt: skip
+def policy_decision(
+    policy: Policy,
+    names: tuple[str, ...],
+    kind: str,
+    role: str,
+    roles: tuple[str, str],
+    dims: tuple,
+    operand_problem: Callable[[Settings], tuple[ReasonKind, str] | None] = lambda settings: None,
+) -> Decision:
     """The policy's decision for one GEMM of a pattern fp8fx rewrites: site `names`, pattern `kind`,
     GEMM `role`, operand `roles` and the forward GEMM's (N, K); `operand_problem(settings)` says
     what keeps this GEMM's operands high under the resolved settings. The one place a policy is
@@ -285,7 +295,23 @@ def assign_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     gemms = [(site, site.gemms[role]) for site in ctx.sites for role in GEMM_ROLES if role in site.gemms]
     for index, (site, gemm) in enumerate(gemms):
         decision = decide(site, gemm, ctx)
-        annotate(gemm.node, GemmAnnotation(index, site.name, site.fqn, site.op, gemm.role, site.source,
-                                           gemm.m, gemm.n, gemm.k, gemm.batch, gemm.flops, decision, groups=gemm.groups,
-                                           flops_hinted=gemm.flops_hinted))  # fmt: skip
+        annotate(
+            gemm.node,
+            GemmAnnotation(
+                index,
+                site.name,
+                site.fqn,
+                site.op,
+                gemm.role,
+                site.source,
+                gemm.m,
+                gemm.n,
+                gemm.k,
+                gemm.batch,
+                gemm.flops,
+                decision,
+                groups=gemm.groups,
+                flops_hinted=gemm.flops_hinted,
+            ),
+        )
     return PassResult(gm, modified=False)

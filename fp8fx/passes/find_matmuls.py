@@ -92,8 +92,16 @@ def conv_params(node: fx.Node) -> ConvParams:
     shift = CONV_OPS[node.target]
     # (input, weight, bias or bias_sizes, stride, padding, dilation, transposed, output_padding, groups)
     inp, weight, _, stride, padding, dilation, transposed, _, groups = node.args[shift : shift + 9]
-    return ConvParams(_tensor(inp), _tensor(weight), tuple(stride), tuple(padding), tuple(dilation), bool(transposed), groups,
-                      None if shift else _tensor(node))  # fmt: skip
+    return ConvParams(
+        _tensor(inp),
+        _tensor(weight),
+        tuple(stride),
+        tuple(padding),
+        tuple(dilation),
+        bool(transposed),
+        groups,
+        None if shift else _tensor(node),
+    )
 
 
 def _conv_dims(node: fx.Node, p: ConvParams) -> tuple:

@@ -242,10 +242,12 @@ class _Fuser:
         # The result's only use is a tensorwise FP8 cast with a scale known before the GEMM
         # (delayed scaling: read from state) and its amax: the kernel writes FP8 directly.
         casts = [
-            u for u in final.users
-            if u.target == fp8fx_ops.cast.default and list(op_args(u)["block"]) == []
+            u
+            for u in final.users
+            if u.target == fp8fx_ops.cast.default
+            and list(op_args(u)["block"]) == []
             and op_args(u)["scale"].target == fp8fx_ops.delayed_scale.default
-        ]  # fmt: skip
+        ]
         inputs["fp8_cast"] = casts[0] if len(casts) == 1 and set(final.users) == {*casts, *amax_users} else None
         return ep, inputs, final, aux_node, amax_users, absorbed
 
@@ -332,10 +334,16 @@ class _Fuser:
             args, kwargs = fused_args.call_args()
             fused = self.add(Fp8GemmArgs.op(), args, tag_from=gemm, kwargs=kwargs)
             outs = [self.add(operator.getitem, (fused, i), tag_from=gemm) for i in range(3)]
-            out = outs[0] if _same_shape(final, (m, n)) else self.add(_reshape_like(final), (outs[0], sizes[final]), tag_from=gemm)
+            out = (
+                outs[0] if _same_shape(final, (m, n)) else self.add(_reshape_like(final), (outs[0], sizes[final]), tag_from=gemm)
+            )
             aux = None
             if aux_node is not None:
-                aux = outs[1] if _same_shape(aux_node, (m, n)) else self.add(_reshape_like(aux_node), (outs[1], sizes[aux_node]), tag_from=gemm)
+                aux = (
+                    outs[1]
+                    if _same_shape(aux_node, (m, n))
+                    else self.add(_reshape_like(aux_node), (outs[1], sizes[aux_node]), tag_from=gemm)
+                )
         copy_meta(gemm, fused)  # the fused GEMM takes the scaled_mm's place
         fusion = Fusion(kernel, kernel_reason, epilogue=ep, absorbed=tuple(n.name for n in absorbed), variant=variant)
         annotate(fused, replace(annotation(gemm), fusion=fusion))

@@ -307,9 +307,25 @@ class _Inserter:
                     if site.name == ann.site and ann.role in site.gemms:
                         del site.gemms[ann.role]
             return
-        why = "nothing reads this gradient: transformers' fused backward computes it beside the one it keeps, in the model's precision"
-        unread = [replace(a, decision=replace(a.decision, precision=Precision.HIGH, reason_kind=ReasonKind.PATTERN, reason=why, formats=None,
-                                              scaling=None, granularity=None)) for a in unread]  # fmt: skip
+        why = (
+            "nothing reads this gradient: transformers' fused backward computes it beside the one it keeps, in the "
+            "model's precision"
+        )
+        unread = [
+            replace(
+                a,
+                decision=replace(
+                    a.decision,
+                    precision=Precision.HIGH,
+                    reason_kind=ReasonKind.PATTERN,
+                    reason=why,
+                    formats=None,
+                    scaling=None,
+                    granularity=None,
+                ),
+            )
+            for a in unread
+        ]
         gemm.meta[META_KEY] = (*kept, *unread)  # a gradient kept high is still this node's (it computes both)
 
     def rewrite(self, gemm: fx.Node) -> fx.Node:
@@ -317,10 +333,18 @@ class _Inserter:
         d = ann.decision
         left, right, bias = matmul_operands(gemm)
         specs = [
-            CastSpec(fmt, block, d.power_of_two, d.margin, d.delayed, d.stochastic_rounding and operand_role == "grad_output",
-                     (-1, -2)[i] if d.hadamard else None, _rounding(d))
+            CastSpec(
+                fmt,
+                block,
+                d.power_of_two,
+                d.margin,
+                d.delayed,
+                d.stochastic_rounding and operand_role == "grad_output",
+                (-1, -2)[i] if d.hadamard else None,
+                _rounding(d),
+            )
             for i, (fmt, block, operand_role) in enumerate(zip(d.formats, d.blocks, d.operand_roles))
-        ]  # fmt: skip
+        ]
         keys = [state_key(ann.site, ann.role, operand_role) for operand_role in d.operand_roles]
         a, qa = self.operand(left, specs[0], gemm, keys[0])
         b, qb = self.operand(right, specs[1], gemm, keys[1])

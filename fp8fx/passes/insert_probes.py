@@ -38,7 +38,12 @@ def insert_probes(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             if all(x.meta["val"].dtype.is_floating_point for x in (left, right)):
                 what_if = {name: decide(site, gemm, rctx) for name, rctx in recipes.items()}
                 probes.append(
-                    (gemm.node, left, right, ProbeSpec(ctx.taps.graph_index, site.name, role, annotation(gemm.node).decision, what_if))
+                    (
+                        gemm.node,
+                        left,
+                        right,
+                        ProbeSpec(ctx.taps.graph_index, site.name, role, annotation(gemm.node).decision, what_if),
+                    )
                 )
     for node, left, right, spec in probes:
         with gm.graph.inserting_before(node):

@@ -70,7 +70,9 @@ def _patches(b: _Builder, x: fx.Node, kernel: tuple) -> fx.Node:
     split = [n, c, *(v for s, k in zip(spatial, kernel) for v in (s // k, k))]
     order = [0, *(2 + 2 * i for i in range(d)), 1, *(3 + 2 * i for i in range(d))]
     rows = n * math.prod(s // k for s, k in zip(spatial, kernel))
-    return b(aten.reshape.default, b(aten.permute.default, b(aten.reshape.default, x, split), order), [rows, c * math.prod(kernel)])
+    return b(
+        aten.reshape.default, b(aten.permute.default, b(aten.reshape.default, x, split), order), [rows, c * math.prod(kernel)]
+    )
 
 
 def _unpatch(b: _Builder, mat: fx.Node, shape: tuple, kernel: tuple) -> fx.Node:
@@ -96,7 +98,9 @@ def _lower_forward(graph: fx.Graph, conv: fx.Node, lowered: dict[fx.Node, str]) 
     b = _Builder(graph, conv, lowered)
     patches = _patches(b, x, kernel)
     w_t = b(aten.permute.default, b(aten.reshape.default, w, [w.meta["val"].shape[0], -1]), [1, 0])
-    out = b(aten.addmm.default, bias, patches, w_t, gemm=True) if bias is not None else b(aten.mm.default, patches, w_t, gemm=True)
+    out = (
+        b(aten.addmm.default, bias, patches, w_t, gemm=True) if bias is not None else b(aten.mm.default, patches, w_t, gemm=True)
+    )
     n, c_out, *grid = conv.meta["val"].shape
     d = len(grid)
     y = b(aten.permute.default, b(aten.reshape.default, out, [n, *grid, c_out]), [0, d + 1, *range(1, d + 1)])
@@ -116,7 +120,11 @@ def _lower_backward(graph: fx.Graph, bw: fx.Node, lowered: dict[fx.Node, str]) -
         w_mat = b(aten.reshape.default, w, [w_shape[0], -1])
         results[0] = _unpatch(b, b(aten.mm.default, g, w_mat, gemm=True), tuple(x.meta["val"].shape), kernel)
     if mask[1]:
-        results[1] = b(aten.reshape.default, b(aten.mm.default, b(aten.permute.default, g, [1, 0]), _patches(b, x, kernel), gemm=True), w_shape)
+        results[1] = b(
+            aten.reshape.default,
+            b(aten.mm.default, b(aten.permute.default, g, [1, 0]), _patches(b, x, kernel), gemm=True),
+            w_shape,
+        )
     if mask[2]:
         results[2] = b(aten.sum.dim_IntList, g, [0])
     for user in list(bw.users):
@@ -130,9 +138,20 @@ def _lower_backward(graph: fx.Graph, bw: fx.Node, lowered: dict[fx.Node, str]) -
 def lower_patch_convs(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Rewrite the patch convolutions (see `is_patch_conv`) the policy enables, and their backward, into GEMMs."""
     graph = gm.graph
-    convs = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.convolution.default and is_patch_conv(n) and _enabled(n, ctx)]
+    convs = [
+        n
+        for n in graph.nodes
+        if n.op == "call_function" and n.target is aten.convolution.default and is_patch_conv(n) and _enabled(n, ctx)
+    ]
     seqs = {c.meta["seq_nr"] for c in convs if c.meta.get("seq_nr") is not None}
-    backward = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.convolution_backward.default and n.meta.get("seq_nr") in seqs and is_patch_conv(n)]
+    backward = [
+        n
+        for n in graph.nodes
+        if n.op == "call_function"
+        and n.target is aten.convolution_backward.default
+        and n.meta.get("seq_nr") in seqs
+        and is_patch_conv(n)
+    ]
     for node in convs:
         _lower_forward(graph, node, ctx.lowered)
     for node in backward:

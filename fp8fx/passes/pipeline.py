@@ -22,8 +22,14 @@ Pass = Callable[[fx.GraphModule, PassContext], PassResult]
 
 ANALYSIS_PASSES: tuple[Pass, ...] = (find_matmuls, assign_precision)
 REWRITE_PASSES: tuple[Pass, ...] = (
-    lower_patch_convs, *ANALYSIS_PASSES, insert_probes, insert_casts, fuse_epilogues, saved_outputs, verify
-)  # fmt: skip
+    lower_patch_convs,
+    *ANALYSIS_PASSES,
+    insert_probes,
+    insert_casts,
+    fuse_epilogues,
+    saved_outputs,
+    verify,
+)
 
 
 class PassError(RuntimeError):

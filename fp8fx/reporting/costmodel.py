@@ -352,7 +352,8 @@ def _main_loop(op: OpRecord, gpu: GpuSpec) -> tuple[float, float]:
 def _block_scaled(op: OpRecord, gpu: GpuSpec, what: str) -> None:
     if gpu.fp4_tflops is None:
         raise ValueError(
-            f"fp8fx cost model: {gpu.name} has no block-scaled (MXFP8/NVFP4) tensor cores, no rate for {what} GEMMs ({op.site}.{op.role}); "
+            f"fp8fx cost model: {gpu.name} has no block-scaled (MXFP8/NVFP4) tensor cores, no rate for {what} GEMMs "
+            f"({op.site}.{op.role}); "
             "give the target an fp4 peak"
         )
 
@@ -386,7 +387,9 @@ def predict(op: OpRecord, gpu: GpuSpec) -> Prediction | None:
     tflops, operand_bytes = _main_loop(op, gpu)
     gemm = gpu.gemm_us(m, n, k, batch, tflops, operand_bytes)
     numels = (batch * m * k, batch * k * n)
-    passes = _passes_us(op, gpu, numels) if op.memory_passes_added is None else _counted_passes_us(op.memory_passes_added, gpu, numels)
+    passes = (
+        _passes_us(op, gpu, numels) if op.memory_passes_added is None else _counted_passes_us(op.memory_passes_added, gpu, numels)
+    )
     return Prediction(bf16, gemm + passes, passes)
 
 

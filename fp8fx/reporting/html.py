@@ -94,10 +94,17 @@ def _ticks(lo: float, hi: float) -> list[float]:
 def _summary(s: dict, superseded: list[dict]) -> str:
     rows = [
         ("GEMMs in FP8", f"{s.get('fp8_gemms', 0)} of {s.get('gemms', 0)} over {s.get('graphs', 0)} graph(s)"),
-        ("FP8 share of GEMM FLOPs", f"forward {_pct(s.get('fp8_flop_share_forward'))}, backward {_pct(s.get('fp8_flop_share_backward'))}"),
+        (
+            "FP8 share of GEMM FLOPs",
+            f"forward {_pct(s.get('fp8_flop_share_forward'))}, backward {_pct(s.get('fp8_flop_share_backward'))}",
+        ),
     ]
     if s.get("target"):
-        parts = [f"{label} ×{s[key]:.2f}" for label, key in (("step", "predicted_step_speedup"), ("GEMMs", "predicted_gemm_speedup")) if _finite(s.get(key))]
+        parts = [
+            f"{label} ×{s[key]:.2f}"
+            for label, key in (("step", "predicted_step_speedup"), ("GEMMs", "predicted_gemm_speedup"))
+            if _finite(s.get(key))
+        ]
         if s.get("slower_in_fp8") is not None:
             parts.append(f"{s['slower_in_fp8']} FP8 GEMM(s) predicted slower than BF16")
         rows.append((f"Predicted speedup on {s['target']}", "; ".join(parts) or "n/a"))
@@ -107,7 +114,12 @@ def _summary(s: dict, superseded: list[dict]) -> str:
         of = f" of {mib(s['saved_for_backward_bytes'])} saved for backward" if s.get("saved_for_backward_bytes") else ""
         rows.append(("Activation memory FP8 saves", mib(s["fp8_saved_activation_bytes"]) + of))
     for u in s.get("uncaptured_modules") or ():  # GEMMs outside every graph: in no share above
-        rows.append((f"Not captured: {u['module'] or '<root>'} ({u['kind']})", "; ".join(filter(None, (", ".join(u["weights"]), u["cause"], u["fix"])))))
+        rows.append(
+            (
+                f"Not captured: {u['module'] or '<root>'} ({u['kind']})",
+                "; ".join(filter(None, (", ".join(u["weights"]), u["cause"], u["fix"]))),
+            )
+        )
     if s.get("traced_on_real_tensors"):
         rows.append(("Shapes traced on real tensors", s["traced_on_real_tensors"]))
     if s.get("folded_blocks"):
@@ -115,15 +127,23 @@ def _summary(s: dict, superseded: list[dict]) -> str:
     if s.get("fused_epilogues") is not None:
         rows.append(("Fused epilogues", str(s["fused_epilogues"])))
     if s.get("memory_passes_added") is not None:
-        rows.append(("Memory passes FP8 adds / fusion saves", f"+{s['memory_passes_added']} / -{s.get('memory_passes_saved', 0)}"))
+        rows.append(
+            ("Memory passes FP8 adds / fusion saves", f"+{s['memory_passes_added']} / -{s.get('memory_passes_saved', 0)}")
+        )
     if s.get("non_finite_amax_events"):
         rows.append(("Non-finite amax (scale kept)", ", ".join(f"{k}: {v}" for k, v in s["non_finite_amax_events"].items())))
     graphs = {op.get("graph"): op for op in reversed(superseded)}
     if graphs:
-        rows.append((
-            "Superseded graphs (not counted, rows only in the JSON)",
-            "; ".join(f"graph {i} (Dynamo {op.get('compile_id')}, recompiled as {op.get('superseded_by')}: {op.get('recompile_reason') or 'reason not recorded'})" for i, op in sorted(graphs.items())),
-        ))  # fmt: skip
+        rows.append(
+            (
+                "Superseded graphs (not counted, rows only in the JSON)",
+                "; ".join(
+                    f"graph {i} (Dynamo {op.get('compile_id')}, recompiled as {op.get('superseded_by')}: "
+                    f"{op.get('recompile_reason') or 'reason not recorded'})"
+                    for i, op in sorted(graphs.items())
+                ),
+            )
+        )
     return '<table class="summary">' + "".join(f"<tr><td>{_e(k)}</td><td>{_e(v)}</td></tr>" for k, v in rows) + "</table>"
 
 
@@ -155,7 +175,9 @@ def _legend(names: list[str], left: float, y: float) -> tuple[str, float]:
         width = 30 + 6.5 * len(name)
         if x + width > WIDTH and x > left:
             x, y = left, y + 16
-        out.append(f'<circle cx="{x + 5:.1f}" cy="{y - 4}" r="4" {_marker_style(j)}/><text x="{x + 13:.1f}" y="{y}">{_e(name)}</text>')
+        out.append(
+            f'<circle cx="{x + 5:.1f}" cy="{y - 4}" r="4" {_marker_style(j)}/><text x="{x + 13:.1f}" y="{y}">{_e(name)}</text>'
+        )
         x += width
     return "".join(out), y
 
@@ -198,7 +220,10 @@ def _point_chart(pid: str, title: str, items: list, x_title: str, panels: list[t
         for i in range(1, len(items) + 1):
             if i == len(items) or items[i][1] != items[start][1]:
                 if shade:
-                    out.append(f'<rect x="{left + start * step:.1f}" y="{y0}" width="{(i - start) * step:.1f}" height="{panel_h}" fill="#f3f5f7"/>')
+                    out.append(
+                        f'<rect x="{left + start * step:.1f}" y="{y0}" width="{(i - start) * step:.1f}" '
+                        f'height="{panel_h}" fill="#f3f5f7"/>'
+                    )
                 shade, start = 1 - shade, i
         for t in ticks:
             out.append(f'<line x1="{left}" x2="{WIDTH - right}" y1="{y(t):.1f}" y2="{y(t):.1f}" stroke="#d0d7de"/>')
@@ -215,7 +240,9 @@ def _point_chart(pid: str, title: str, items: list, x_title: str, panels: list[t
                 cx, cy = left + (i + 0.5) * step + nudge, y(shown)
                 if shown != v:  # beyond the axis: a triangle at its edge
                     d = -7 if v > hi else 7
-                    out.append(f'<path d="M{cx - 4:.1f} {cy - d / 2:.1f}h8L{cx:.1f} {cy + d / 2:.1f}z" {_marker_style(j)}>{tip}</path>')
+                    out.append(
+                        f'<path d="M{cx - 4:.1f} {cy - d / 2:.1f}h8L{cx:.1f} {cy + d / 2:.1f}z" {_marker_style(j)}>{tip}</path>'
+                    )
                 else:
                     out.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="3.5" {_marker_style(j)}>{tip}</circle>')
         y0 += panel_h + gap
@@ -223,7 +250,10 @@ def _point_chart(pid: str, title: str, items: list, x_title: str, panels: list[t
     out.append(f'<line x1="{left}" x2="{WIDTH - right}" y1="{axis_y}" y2="{axis_y}" stroke="#57606a"/>')
     for i in range(0, len(items), every):
         x = left + (i + 0.5) * step
-        out.append(f'<text transform="translate({x:.1f} {axis_y + 10}) rotate(-60)" text-anchor="end">{_e(labels[i])}<title>{_e(items[i][0])}</title></text>')
+        out.append(
+            f'<text transform="translate({x:.1f} {axis_y + 10}) rotate(-60)" '
+            f'text-anchor="end">{_e(labels[i])}<title>{_e(items[i][0])}</title></text>'
+        )
     out.append(f'<text x="{left + plot_w / 2}" y="{height - 6:.0f}" text-anchor="middle">{x_title}</text>')
     return "".join(out) + "</svg>"
 
@@ -238,11 +268,19 @@ def _sqnr_plot(ops: list[dict]) -> str | None:
     def worst(item_ops: list[dict], get) -> float | None:
         return min((v for v in map(get, item_ops) if _finite(v)), default=None)
 
-    series = {"this policy (FP8 GEMMs)": [worst(o, lambda op: op["numerics"].get("sqnr_db") if op.get("precision") == "fp8" else None) for _, _, o in items]}
+    series = {
+        "this policy (FP8 GEMMs)": [
+            worst(o, lambda op: op["numerics"].get("sqnr_db") if op.get("precision") == "fp8" else None) for _, _, o in items
+        ]
+    }
     for r in recipes:
         series[f"what-if: {r}"] = [worst(o, lambda op, r=r: (op["numerics"].get("what_if") or {}).get(r)) for _, _, o in items]
-    svg = _point_chart("plot-sqnr", "SQNR of the FP8 product against fp64 (higher is better)", items, x_title, [("SQNR (dB)", SQNR_AXIS, series)])
-    return svg + f'<p class="caption">{_e(what)}; values beyond {SQNR_AXIS[1]:g} dB (exact products) are triangles at the edge.</p>'
+    svg = _point_chart(
+        "plot-sqnr", "SQNR of the FP8 product against fp64 (higher is better)", items, x_title, [("SQNR (dB)", SQNR_AXIS, series)]
+    )
+    return (
+        svg + f'<p class="caption">{_e(what)}; values beyond {SQNR_AXIS[1]:g} dB (exact products) are triangles at the edge.</p>'
+    )
 
 
 def _range_plot(ops: list[dict]) -> str | None:
@@ -294,7 +332,10 @@ def _speedup_plot(ops: list[dict]) -> str | None:
     axis_y = top + row * len(keys)
     out = [
         f'<svg id="plot-speedup" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" role="img">',
-        f'<text x="{WIDTH / 2}" y="18" text-anchor="middle" font-size="15" font-weight="bold">Predicted FP8 speedup over BF16 per GEMM</text>',
+        (
+            f'<text x="{WIDTH / 2}" y="18" text-anchor="middle" font-size="15" font-weight="bold">'
+            "Predicted FP8 speedup over BF16 per GEMM</text>"
+        ),
     ]
     for t in ticks:
         out.append(f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{top}" y2="{axis_y}" stroke="#d0d7de"/>')
@@ -303,12 +344,22 @@ def _speedup_plot(ops: list[dict]) -> str | None:
         y, s = top + i * row, k[4]
         us = f" (BF16 {k[2]:.3g} µs, FP8 {k[3]:.3g} µs)" if _finite(k[2]) and _finite(k[3]) else ""
         out.append(f'<text x="{left - 6:.1f}" y="{y + 12}" text-anchor="end">{_e(label)}</text>')
-        out.append(f'<rect x="{left:.1f}" y="{y + 2}" width="{max(0.0, x(s) - left):.1f}" height="{row - 4}" fill="{RED if s < 1 else GREEN}"><title>{_e(label)}: ×{s:.3f}{us}</title></rect>')
+        out.append(
+            f'<rect x="{left:.1f}" y="{y + 2}" width="{max(0.0, x(s) - left):.1f}" height="{row - 4}" '
+            f'fill="{RED if s < 1 else GREEN}"><title>{_e(label)}: ×{s:.3f}{us}</title></rect>'
+        )
         out.append(f'<text x="{x(s) + 4:.1f}" y="{y + 12}">{s:.2f}</text>')
     out.append(f'<line x1="{x(1):.1f}" x2="{x(1):.1f}" y1="{top - 6}" y2="{axis_y}" stroke="#1f2328" stroke-dasharray="4 3"/>')
     out.append(f'<text x="{x(1):.1f}" y="{top - 9}" text-anchor="middle">1.0 = BF16</text>')
-    out.append(f'<text x="{left + (WIDTH - left - right) / 2:.1f}" y="{height - 8}" text-anchor="middle">predicted speedup (BF16 time / FP8 time)</text>')
-    shown = f"the {len(keys)} largest by FLOPs of {len(groups)} distinct FP8 GEMMs" if len(keys) < len(groups) else f"{len(keys)} distinct FP8 GEMMs"
+    out.append(
+        f'<text x="{left + (WIDTH - left - right) / 2:.1f}" y="{height - 8}" text-anchor="middle">predicted speedup '
+        "(BF16 time / FP8 time)</text>"
+    )
+    shown = (
+        f"the {len(keys)} largest by FLOPs of {len(groups)} distinct FP8 GEMMs"
+        if len(keys) < len(groups)
+        else f"{len(keys)} distinct FP8 GEMMs"
+    )
     caption = f"{shown}; ×N: N identical GEMMs of repeated layers; red: slower in FP8 than in BF16."
     return "".join(out) + f'</svg><p class="caption">{_e(caption)}</p>'
 
@@ -344,7 +395,10 @@ def _monitor_plot(monitor: dict[str, list[dict]]) -> str | None:
     ]
     out = [
         f'<svg id="plot-monitor" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" role="img">',
-        f'<text x="{WIDTH / 2}" y="18" text-anchor="middle" font-size="15" font-weight="bold">Runtime monitor: FP8 casts over training steps</text>',
+        (
+            f'<text x="{WIDTH / 2}" y="18" text-anchor="middle" font-size="15" font-weight="bold">'
+            "Runtime monitor: FP8 casts over training steps</text>"
+        ),
     ]
     for p, (label, value, bounds) in enumerate(panels):
         y0 = top + p * (panel + gap)
@@ -360,18 +414,39 @@ def _monitor_plot(monitor: dict[str, list[dict]]) -> str | None:
         out.append(f'<text transform="translate(16 {y0 + panel / 2}) rotate(-90)" text-anchor="middle">{_e(label)}</text>')
         for j, k in enumerate(keys):
             points = " ".join(f"{x(s['step']):.1f},{y(value(s)):.1f}" for s in series[k])
-            out.append(f'<polyline points="{points}" fill="none" stroke="{COLORS[j % len(COLORS)]}" stroke-width="1.5"><title>{_e(k)}</title></polyline>')
+            out.append(
+                f'<polyline points="{points}" fill="none" stroke="{COLORS[j % len(COLORS)]}" '
+                f'stroke-width="1.5"><title>{_e(k)}</title></polyline>'
+            )
     for t in _ticks(x_lo, x_hi):
         if x_lo <= t <= x_hi:
             out.append(f'<text x="{x(t):.1f}" y="{top + 2 * panel + gap + 4}" text-anchor="middle">{t:g}</text>')
-    out.append(f'<text x="{left + (WIDTH - left - right) / 2}" y="{top + 2 * panel + gap + 24}" text-anchor="middle">step (calls of the cast)</text>')
+    out.append(
+        f'<text x="{left + (WIDTH - left - right) / 2}" y="{top + 2 * panel + gap + 24}" text-anchor="middle">step '
+        "(calls of the cast)</text>"
+    )
     caption = f"{len(keys)} of {len(series)} monitored casts, those losing most values first."
     return "".join(out) + legend + f'</svg><p class="caption">{_e(caption)}</p>'
 
 
 # --- table -----------------------------------------------------------------------------------------
 
-COLUMNS = ("site", "op", "role", "M", "N", "K", "FLOP %", "precision", "formats", "scaling", "epilogue", "FP8/BF16 speedup", "SQNR dB", "reason")
+COLUMNS = (
+    "site",
+    "op",
+    "role",
+    "M",
+    "N",
+    "K",
+    "FLOP %",
+    "precision",
+    "formats",
+    "scaling",
+    "epilogue",
+    "FP8/BF16 speedup",
+    "SQNR dB",
+    "reason",
+)
 
 
 def _row(op: dict) -> str:
@@ -417,8 +492,14 @@ def render_html(data: dict) -> str:
     ops = [op for op in history if op.get("graph_state") != "superseded"]
     plots = [
         (_sqnr_plot(ops), "SQNR per site: no numerics in this report; `fp8fx analyze --numerics` measures them."),
-        (_range_plot(ops), "Underflow and saturation per operand: no numerics in this report; `fp8fx analyze --numerics` measures them."),
-        (_speedup_plot(ops), "Predicted speedup per GEMM: no predictions in this report; `fp8fx analyze --target GPU` adds them."),
+        (
+            _range_plot(ops),
+            "Underflow and saturation per operand: no numerics in this report; `fp8fx analyze --numerics` measures them.",
+        ),
+        (
+            _speedup_plot(ops),
+            "Predicted speedup per GEMM: no predictions in this report; `fp8fx analyze --target GPU` adds them.",
+        ),
     ]
     body = "".join(svg if svg else f'<p class="note">{_e(note)}</p>' for svg, note in plots)
     body += _monitor_plot(data.get("monitor") or {}) or ""  # only for compiled models with a monitor
@@ -426,6 +507,7 @@ def render_html(data: dict) -> str:
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><link rel="icon" href="data:,">'
         f"<title>fp8fx precision report</title><style>{CSS}</style></head><body>"
         f'<h1>fp8fx precision report</h1><p class="caption">{_e(data.get("schema", ""))}</p>'
-        f"<h2>Summary</h2>{_summary(data.get('summary') or {}, [op for op in history if op.get('graph_state') == 'superseded'])}<h2>Plots</h2>{body}"
+        f"<h2>Summary</h2>{_summary(data.get('summary') or {}, [op for op in history if op.get('graph_state') == 'superseded'])}"
+        f"<h2>Plots</h2>{body}"
         f"<h2>GEMMs ({len(ops)})</h2>{_table(ops)}<script>{SCRIPT}</script></body></html>"
     )

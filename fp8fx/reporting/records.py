@@ -183,8 +183,15 @@ class Report:
         if not self.step:
             return None
         s = self.step
-        parts = {"bf16": s.bf16_us, "fp8": s.fp8_us, "gemm_bf16": s.gemm_bf16_us, "gemm_fp8": s.gemm_fp8_us,
-                 "attention": s.attention_us, "optimizer": s.optimizer_us, "other": s.other_us}  # fmt: skip
+        parts = {
+            "bf16": s.bf16_us,
+            "fp8": s.fp8_us,
+            "gemm_bf16": s.gemm_bf16_us,
+            "gemm_fp8": s.gemm_fp8_us,
+            "attention": s.attention_us,
+            "optimizer": s.optimizer_us,
+            "other": s.other_us,
+        }
         return {key: us / 1e3 for key, us in parts.items()}
 
     def to_dict(self) -> dict[str, Any]:
@@ -249,12 +256,14 @@ class Report:
         lines = [
             (
                 f"{s['fp8_gemms']}/{s['gemms']} GEMMs in FP8 over {s['graphs']} graph(s){superseded}; "
-                f"FP8 share of GEMM FLOPs: forward {pct(s['fp8_flop_share_forward'])}, backward {pct(s['fp8_flop_share_backward'])}{missing}"
+                f"FP8 share of GEMM FLOPs: forward {pct(s['fp8_flop_share_forward'])}, backward "
+                f"{pct(s['fp8_flop_share_backward'])}{missing}"
             )
         ]
         for index, op in sorted(self.superseded_graphs().items()):
             lines.append(
-                f"superseded: graph {index} (Dynamo {op.compile_id}, recompiled as {op.superseded_by}: {op.recompile_reason or 'reason not recorded'})"
+                f"superseded: graph {index} (Dynamo {op.compile_id}, recompiled as {op.superseded_by}: "
+                f"{op.recompile_reason or 'reason not recorded'})"
             )
         if s["gpu_kernels"]:
             lines.append(
@@ -293,7 +302,8 @@ class Report:
                 f"{s['predicted_gemm_speedup']:.2f}x); {s['slower_in_fp8']} FP8 GEMM(s) predicted slower than BF16 (marked !)"
             )
             lines.append(
-                f"predicted step, ms: BF16 {ms['bf16']:.1f}, FP8 {ms['fp8']:.1f}; GEMMs {ms['gemm_bf16']:.1f} -> {ms['gemm_fp8']:.1f} "
+                f"predicted step, ms: BF16 {ms['bf16']:.1f}, FP8 {ms['fp8']:.1f}; GEMMs {ms['gemm_bf16']:.1f} -> "
+                f"{ms['gemm_fp8']:.1f} "
                 f"(FP8's casts included), unchanged: attention {ms['attention']:.1f}{optimizer}, other ops {ms['other']:.1f}"
             )
         if s["numerics_batches"]:
@@ -304,7 +314,8 @@ class Report:
             )
             if worst is not None:
                 lines.append(
-                    f"numerics over {s['numerics_batches']} batch(es): lowest FP8 SQNR {worst.numerics.sqnr_db:.1f} dB at {worst.site}.{worst.role}"
+                    f"numerics over {s['numerics_batches']} batch(es): lowest FP8 SQNR {worst.numerics.sqnr_db:.1f} "
+                    f"dB at {worst.site}.{worst.role}"
                 )
         return lines
 

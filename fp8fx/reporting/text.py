@@ -29,7 +29,10 @@ def rich_report(report: Report) -> Group:
         first_seen.setdefault(layer_of(op.site), i)
         first_seen.setdefault(op.site, i)
     roles = ("output", "grad_input", "grad_weight")
-    ordered = sorted(zip(report.ops, report.rows()), key=lambda r: (first_seen[layer_of(r[0].site)], first_seen[r[0].site], roles.index(r[0].role), r[0].graph))
+    ordered = sorted(
+        zip(report.ops, report.rows()),
+        key=lambda r: (first_seen[layer_of(r[0].site)], first_seen[r[0].site], roles.index(r[0].role), r[0].graph),
+    )
     current = None
     for op, row in ordered:
         layer = layer_of(op.site)

@@ -19,7 +19,9 @@ EAGER_EXPERTS = (
     "transformers' eager experts loop runs outside the graph (its loop over the experts the routing hit is data-dependent)"
 )
 EAGER_EXPERTS_FIX = 'set experts_implementation="grouped_mm" so fp8fx runs them as FP8 grouped GEMMs'
-UNKNOWN = "their products ran outside fp8fx in high precision (eager code or a loop Dynamo does not trace), or the module has not run"
+UNKNOWN = (
+    "their products ran outside fp8fx in high precision (eager code or a loop Dynamo does not trace), or the module has not run"
+)
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,10 @@ class Uncaptured:
         n = len(self.weights)
         name = (repeated_site(self.module) if copies > 1 else self.module) or "<root>"  # weights of the model itself
         each = " each" if copies > 1 else ""
-        text = f"{name} ({self.kind}){f' x{copies}' if copies > 1 else ''}: {n} weight parameter{'s' * (n > 1)}{each} never read by a compiled graph: {self.cause}"
+        text = (
+            f"{name} ({self.kind}){f' x{copies}' if copies > 1 else ''}: {n} weight parameter{'s' * (n > 1)}{each} "
+            f"never read by a compiled graph: {self.cause}"
+        )
         return text + (f"; {self.fix}" if self.fix else "")
 
 

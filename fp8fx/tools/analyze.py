@@ -49,7 +49,9 @@ from fp8fx.reporting.records import Report
 from fp8fx.reporting.uncaptured import eager_experts, grouped
 from fp8fx.runtime.numerics import NumericsCollector, collecting
 
-_BUILD_HINT = "add `def build_model(): return MyModel(...)` (built on the meta device: no weights) or a module-level `model = MyModel(...)`"
+_BUILD_HINT = (
+    "add `def build_model(): return MyModel(...)` (built on the meta device: no weights) or a module-level `model = MyModel(...)`"
+)
 _INPUTS_HINT = "add `def example_inputs(): return (torch.randn(8, 128),)` returning the model's positional inputs"
 
 
@@ -171,9 +173,15 @@ def load_model_file(path: str | Path, real_weights: bool = False) -> ModelFile:
     loss_fn = getattr(module, "loss_fn", None)
     calibration = getattr(module, "calibration_data", None)
     return ModelFile(
-        path, model, inputs, loss_fn if callable(loss_fn) else None, shape_only, make_inputs,
-        calibration if callable(calibration) else None, build if callable(build) else None,
-    )  # fmt: skip
+        path,
+        model,
+        inputs,
+        loss_fn if callable(loss_fn) else None,
+        shape_only,
+        make_inputs,
+        calibration if callable(calibration) else None,
+        build if callable(build) else None,
+    )
 
 
 OP_KINDS = (*POLICY_KINDS, "sdpa")  # every op kind a policy rule can name, and attention
@@ -225,7 +233,11 @@ def _same_rule(policy: Policy, op, copy) -> bool:
 
 def _renamed(op, prefix: str, new_prefix: str):
     def swap(text: str) -> str:
-        return new_prefix + text[len(prefix) :] if text == prefix or text.startswith(prefix + ".") or text.startswith(prefix + ":") else text
+        return (
+            new_prefix + text[len(prefix) :]
+            if text == prefix or text.startswith(prefix + ".") or text.startswith(prefix + ":")
+            else text
+        )
 
     return replace(op, site=swap(op.site), fqn=swap(op.fqn))
 
@@ -234,8 +246,16 @@ Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
 _aten = torch.ops.aten
-_GEMMS = (_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.addbmm.default, _aten.mv.default,
-          _aten.addmv.default, _aten.dot.default)  # fmt: skip
+_GEMMS = (
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten.baddbmm.default,
+    _aten.addbmm.default,
+    _aten.mv.default,
+    _aten.addmv.default,
+    _aten.dot.default,
+)
 
 
 class _EagerDtypeChecks(FakeTensorMode):
@@ -247,7 +267,10 @@ class _EagerDtypeChecks(FakeTensorMode):
     def dispatch(self, func, types, args=(), kwargs=None):
         if func in _GEMMS and len({a.dtype for a in args if isinstance(a, torch.Tensor)}) > 1:
             with unset_fake_temporarily():
-                func(*(torch.empty((0,) * a.dim(), dtype=a.dtype) if isinstance(a, torch.Tensor) else a for a in args), **(kwargs or {}))
+                func(
+                    *(torch.empty((0,) * a.dim(), dtype=a.dtype) if isinstance(a, torch.Tensor) else a for a in args),
+                    **(kwargs or {}),
+                )
         return super().dispatch(func, types, args, kwargs)
 
 
@@ -378,7 +401,9 @@ def _data_dependent(model: nn.Module, inputs: tuple, e: BaseException) -> str | 
     if all(has_values(t) for t in (*model.parameters(), *model.buffers(), *inputs)):
         return None
     found = e
-    while found is not None and not isinstance(found, (DynamicOutputShapeException, DataDependentOutputException, GuardOnDataDependentSymNode)):
+    while found is not None and not isinstance(
+        found, (DynamicOutputShapeException, DataDependentOutputException, GuardOnDataDependentSymNode)
+    ):
         found = _wrapped(found)
     if found is None:
         return None
@@ -424,10 +449,13 @@ def _real_tensors(model: nn.Module, inputs: tuple, why: str) -> tuple:
                 module._buffers[key] = real(b, False)
     with unset_fake_temporarily():
         return tuple(
-            t if has_values(t) else
-            (torch.randn(t.shape, generator=generator) if t.is_floating_point() else torch.ones(t.shape)).to(t.dtype).requires_grad_(t.requires_grad)
+            t
+            if has_values(t)
+            else (torch.randn(t.shape, generator=generator) if t.is_floating_point() else torch.ones(t.shape))
+            .to(t.dtype)
+            .requires_grad_(t.requires_grad)
             for t in inputs
-        )  # fmt: skip
+        )
 
 
 def _traced(model, example_inputs, policy, train, loss_fn, fold_repeated, progress, stage) -> Report:
@@ -493,10 +521,14 @@ def assert_coverage(report: Report, min_fp8_flop_share: float) -> None:
         named = ", ".join(modules[:5]) + (f" and {len(modules) - 5} more" if len(modules) > 5 else "")
         raise CoverageError(
             f"the GEMMs of {named} ran outside every compiled graph, in high precision, and no FP8 share counts them "
-            f"(FP8 covers {100 * share:.1f}% of the GEMM FLOPs captured): " + "; ".join(u.text(n) for u, n in grouped(report.uncaptured))
+            f"(FP8 covers {100 * share:.1f}% of the GEMM FLOPs captured): "
+            + "; ".join(u.text(n) for u, n in grouped(report.uncaptured))
         )
     if share < min_fp8_flop_share:
         high = sorted(report.high_ops, key=lambda op: -op.flops)[:5]
         biggest = ", ".join(f"{op.site}.{op.role} ({op.reason_kind}: {op.reason})" for op in high)
-        raise CoverageError(f"FP8 covers {100 * share:.1f}% of GEMM FLOPs, below the required {100 * min_fp8_flop_share:.1f}%; largest high-precision GEMMs: {biggest}")
+        raise CoverageError(
+            f"FP8 covers {100 * share:.1f}% of GEMM FLOPs, below the required {100 * min_fp8_flop_share:.1f}%; "
+            f"largest high-precision GEMMs: {biggest}"
+        )
 

@@ -38,7 +38,9 @@ class BisectResult:
     trials: list[tuple[int, float]] = field(default_factory=list)  # (set size, gap) of each trial
 
 
-def _losses(make_model: Callable[[], nn.Module], batches: list[tuple], loss_fn, lr: float, policy: Policy | None) -> tuple[list[float], list[OpRecord]]:
+def _losses(
+    make_model: Callable[[], nn.Module], batches: list[tuple], loss_fn, lr: float, policy: Policy | None
+) -> tuple[list[float], list[OpRecord]]:
     model = make_model()
     if policy is not None and policy.uses_delayed_scaling:
         prepare(model)
@@ -62,10 +64,14 @@ DIVERGED = 1e6  # the gap a non-finite loss counts as: any set that keeps the ru
 
 
 def _gap(losses: list[float], reference: list[float]) -> float:
-    return sum(abs(a - b) / max(abs(b), 1e-12) if math.isfinite(a) else DIVERGED for a, b in zip(losses, reference)) / len(reference)
+    return sum(abs(a - b) / max(abs(b), 1e-12) if math.isfinite(a) else DIVERGED for a, b in zip(losses, reference)) / len(
+        reference
+    )
 
 
-def _patch(policy: Policy, records: list[OpRecord], ops: dict[Gemm, OpRecord], gemms: list[Gemm], why: Callable[[Gemm], str], basis: str) -> str:
+def _patch(
+    policy: Policy, records: list[OpRecord], ops: dict[Gemm, OpRecord], gemms: list[Gemm], why: Callable[[Gemm], str], basis: str
+) -> str:
     """The policy YAML keeping `gemms` high (every trial runs the same text the result is written as)."""
     flagged: dict[str, list[Flag]] = {}
     for gemm in gemms:
@@ -127,7 +133,11 @@ def bisect(
     remaining = gap_with_high(culprits) if culprits else gap
 
     def why(gemm: Gemm) -> str:
-        return f"{gemm[1]}: with the GEMMs kept high here the loss gap to fp32 falls from {100 * gap:.3g}% to {100 * remaining:.3g}%"
+        return (
+            f"{gemm[1]}: with the GEMMs kept high here the loss gap to fp32 falls from {100 * gap:.3g}% to {100 * remaining:.3g}%"
+        )
 
-    text = _patch(policy, records, ops, culprits, why, f"bisection over {len(candidates)} FP8 GEMMs and {len(batches)} training steps")
+    text = _patch(
+        policy, records, ops, culprits, why, f"bisection over {len(candidates)} FP8 GEMMs and {len(batches)} training steps"
+    )
     return BisectResult(gap, culprits, remaining, len(trials) + 2, text, trials)

@@ -118,7 +118,8 @@ def _weight_view(gm: fx.GraphModule, right: fx.Node, site: str) -> Tensor:
     root, chain = strip_layout(right)
     if root.op != "get_attr":
         raise ExportError(
-            f"site {site}: the right operand of an FP8 GEMM must be a parameter for export (found {root.format_node()}); keep the site high with a policy rule"
+            f"site {site}: the right operand of an FP8 GEMM must be a parameter for export (found "
+            f"{root.format_node()}); keep the site high with a policy rule"
         )
     value = gm
     for name in root.target.split("."):  # a parameter, buffer or constant (tied weights have several names)
@@ -146,15 +147,18 @@ def _quantized_weight(w: Tensor, decision, dtype: torch.dtype, opset: int, site:
         return fp8, scale_inv.reshape(-1).contiguous(), 1, 0
     if decision.granularity not in (Granularity.BLOCKWISE, Granularity.MX):
         raise ExportError(
-            f"site {site}: {decision.granularity.value} weight scales have no ONNX export; keep the site high or use another granularity"
+            f"site {site}: {decision.granularity.value} weight scales have no ONNX export; keep the site high or use "
+            "another granularity"
         )
     if opset < BLOCKED_OPSET:
         raise ExportError(
-            f"site {site}: {decision.granularity.value} weight scales need opset {BLOCKED_OPSET} or newer (DequantizeLinear block_size); got --opset {opset}"
+            f"site {site}: {decision.granularity.value} weight scales need opset {BLOCKED_OPSET} or newer "
+            f"(DequantizeLinear block_size); got --opset {opset}"
         )
     if not torch.isfinite(scale_inv).all():
         raise ExportError(
-            f"site {site}: a weight block's scale does not fit in {dtype} (largest |w| {w.abs().max().item():.3g}); keep the site high or export in float32"
+            f"site {site}: a weight block's scale does not fit in {dtype} (largest |w| {w.abs().max().item():.3g}); "
+            "keep the site high or export in float32"
         )
     # 128 x 128 blocks -> blocks of 128 along K, one scale per column (repeated over the block's
     # columns); MX's 32 x 1 blocks are that already.
@@ -206,7 +210,8 @@ def _rewrite(
         if decision.fp8:
             if not BY_KIND[site.op].exportable:
                 raise ExportError(
-                    f"site {site.name}: FP8 {site.op} cannot be exported (ONNX QDQ export takes mm/addmm with a weight); keep it high with a policy rule"
+                    f"site {site.name}: FP8 {site.op} cannot be exported (ONNX QDQ export takes mm/addmm with a "
+                    "weight); keep it high with a policy rule"
                 )
             fp8.append((site.name, gemm.node, decision))
     recorder = _AmaxRecorder(gm, {matmul_operands(node)[0] for _, node, _ in fp8})
@@ -312,7 +317,8 @@ def _export(model, example_inputs, path, policy, calibration, opset, dynamic, ve
     if verify and any(isinstance(v := n.meta.get("val"), Tensor) and v.dtype == torch.bfloat16 for n in gm.graph.nodes):
         raise ExportError(
             "the model computes in bfloat16, which onnxruntime's CPU provider cannot run (no bfloat16 MatMul, QuantizeLinear or "
-            "DequantizeLinear), so the export cannot be verified: export model.half() or model.float(), or write it unverified with verify=False (--no-verify)"
+            "DequantizeLinear), so the export cannot be verified: export model.half() or model.float(), or write it "
+            "unverified with verify=False (--no-verify)"
         )
     sites, gemm_names = _rewrite(gm, model, policy, list(calibration or [example_inputs]), opset)
     with torch.no_grad():
@@ -321,9 +327,15 @@ def _export(model, example_inputs, path, policy, calibration, opset, dynamic, ve
     nn.Module.train(gm, False)  # the graph is eval-mode already; the exported module's own eval() refuses
     try:
         onnx_program = torch.onnx.export(
-            gm, example_inputs, dynamo=True, opset_version=opset, custom_translation_table=_onnx_translations(opset),
-            dynamic_shapes=_dynamic_shapes(example_inputs, dynamic), verbose=False, optimize=True,
-        )  # fmt: skip
+            gm,
+            example_inputs,
+            dynamo=True,
+            opset_version=opset,
+            custom_translation_table=_onnx_translations(opset),
+            dynamic_shapes=_dynamic_shapes(example_inputs, dynamic),
+            verbose=False,
+            optimize=True,
+        )
     except Exception as e:
         raise ExportError(f"ONNX translation failed: {error_summary(e)}") from e
     _clamps_as_max_min(onnx_program.model.graph)
@@ -428,13 +440,16 @@ def _check(
             needed, reached = min(sqnr_db(high, want), HALF_FLOOR_DB) - HALF_MARGIN_DB, sqnr_db(high, got)
             if not reached >= needed:
                 raise ExportError(
-                    f"onnxruntime's float16 output has an SQNR of {reached:.1f} dB against the original model, {needed:.1f} dB needed (fp8fx's emulation: {sqnr_db(high, want):.1f} dB): the ONNX model does not compute what fp8fx does"
+                    f"onnxruntime's float16 output has an SQNR of {reached:.1f} dB against the original model, "
+                    f"{needed:.1f} dB needed (fp8fx's emulation: {sqnr_db(high, want):.1f} dB): the ONNX model does "
+                    "not compute what fp8fx does"
                 )
             continue
         tolerance = 1e-4 * want.abs().max().item() + 1e-6  # float rounding: summation order differs
         if output_diff > tolerance:
             raise ExportError(
-                f"onnxruntime's output differs from fp8fx's emulation by {output_diff:.3g} (tolerance {tolerance:.3g}): the ONNX model does not compute what fp8fx does"
+                f"onnxruntime's output differs from fp8fx's emulation by {output_diff:.3g} (tolerance "
+                f"{tolerance:.3g}): the ONNX model does not compute what fp8fx does"
             )
     sqnr = min(sqnr_db(o, p) for o, p in zip(original, produced))
     return diff, sqnr

@@ -78,7 +78,19 @@ BENCH_SEQS = (2048, 4096)
 
 Progress = Callable[[str, int, int], None]
 # What a dispatch-table entry keeps of a timing row: load_table's keys, then the rest for people.
-TABLE_KEYS = ("variant", "m", "n", "k", "generated_ms", "scaled_mm_ms", "generated_tflops", "scaled_mm_tflops", "bf16_ms", "bf16_tflops", "shape")
+TABLE_KEYS = (
+    "variant",
+    "m",
+    "n",
+    "k",
+    "generated_ms",
+    "scaled_mm_ms",
+    "generated_tflops",
+    "scaled_mm_tflops",
+    "bf16_ms",
+    "bf16_tflops",
+    "shape",
+)
 
 
 class SelftestError(ValueError):
@@ -174,21 +186,41 @@ def use_to_dict(use: VariantUse) -> dict:
     """JSON form of a VariantUse (and what the interpreter child is sent)."""
     v = use.variant
     return dict(
-        name=v.name, recipes=list(use.recipes), a=_dtype_name(v.a_dtype), b=_dtype_name(v.b_dtype), block_a=list(v.block_a), block_b=list(v.block_b),
-        epilogue=v.epilogue.spec(), out=_dtype_name(v.out_dtype), aux=_dtype_name(v.aux_dtype), fast_accum=v.fast_accum,
-        bias_dtype=_dtype_name(use.bias_dtype), other_dtype=_dtype_name(use.other_dtype), residual_dtype=_dtype_name(use.residual_dtype),
-    )  # fmt: skip
+        name=v.name,
+        recipes=list(use.recipes),
+        a=_dtype_name(v.a_dtype),
+        b=_dtype_name(v.b_dtype),
+        block_a=list(v.block_a),
+        block_b=list(v.block_b),
+        epilogue=v.epilogue.spec(),
+        out=_dtype_name(v.out_dtype),
+        aux=_dtype_name(v.aux_dtype),
+        fast_accum=v.fast_accum,
+        bias_dtype=_dtype_name(use.bias_dtype),
+        other_dtype=_dtype_name(use.other_dtype),
+        residual_dtype=_dtype_name(use.residual_dtype),
+    )
 
 
 def use_from_dict(d: dict) -> VariantUse:
     variant = GemmVariant(
-        _dtype(d["a"]), _dtype(d["b"]), tuple(d["block_a"]), tuple(d["block_b"]), Epilogue.parse(d["epilogue"]), _dtype(d["out"]), _dtype(d["aux"]),
+        _dtype(d["a"]),
+        _dtype(d["b"]),
+        tuple(d["block_a"]),
+        tuple(d["block_b"]),
+        Epilogue.parse(d["epilogue"]),
+        _dtype(d["out"]),
+        _dtype(d["aux"]),
         bool(d["fast_accum"]),
-    )  # fmt: skip
-    return VariantUse(variant, tuple(d["recipes"]), _dtype(d["bias_dtype"]), _dtype(d["other_dtype"]), _dtype(d["residual_dtype"]))
+    )
+    return VariantUse(
+        variant, tuple(d["recipes"]), _dtype(d["bias_dtype"]), _dtype(d["other_dtype"]), _dtype(d["residual_dtype"])
+    )
 
 
-def collect_variants(recipes=RECIPES, dims: ModelDims = COLLECT_DIMS, dtype: torch.dtype = torch.bfloat16, progress: Progress | None = None) -> list[VariantUse]:
+def collect_variants(
+    recipes=RECIPES, dims: ModelDims = COLLECT_DIMS, dtype: torch.dtype = torch.bfloat16, progress: Progress | None = None
+) -> list[VariantUse]:
     """Every kernel variant of a training step (forward and backward) of SelftestModel under each
     recipe, in first-seen order. Compiled on the CPU with the eager inner compiler: which variants
     a graph needs does not depend on the device, and BF16 is what a GPU trains in."""
@@ -260,7 +292,14 @@ def speed_uses(uses: list[VariantUse]) -> list[tuple[str, VariantUse]]:
     fused = [u for u in tensorwise if _weight(u)[0] > 0]
     chosen = []
     if plain:  # E4M3 x E4M3 (forward) first, then the BF16 output
-        chosen.append(("plain", min(plain, key=lambda u: (u.variant.a_dtype != torch.float8_e4m3fn, u.variant.out_dtype != torch.bfloat16, u.name))))
+        chosen.append(
+            (
+                "plain",
+                min(
+                    plain, key=lambda u: (u.variant.a_dtype != torch.float8_e4m3fn, u.variant.out_dtype != torch.bfloat16, u.name)
+                ),
+            )
+        )
     if fused:
         chosen.append(("fused", max(fused, key=_weight)))
     recipes: dict[GemmVariant, list[str]] = {}
@@ -297,12 +336,15 @@ def make_inputs(use: VariantUse, m: int, n: int, k: int, seed: int = 0, device: 
     bt, scale_inv_bt = operand(randn(n, k), v.b_dtype, tuple(reversed(v.block_b)))  # the weight as stored: [n, k]
     e, fp8_out = v.epilogue, v.out_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     return dict(
-        a=a, b=bt.t(), scale_inv_a=scale_inv_a, scale_inv_b=scale_inv_bt.t().contiguous() if v.block_b else scale_inv_bt,
+        a=a,
+        b=bt.t(),
+        scale_inv_a=scale_inv_a,
+        scale_inv_b=scale_inv_bt.t().contiguous() if v.block_b else scale_inv_bt,
         bias=randn(n).to(use.bias_dtype) if e.bias else None,
         other=randn(m, n).to(use.other_dtype) if e.mul != "none" else None,
         residual=randn(m, n).to(use.residual_dtype) if e.residual else None,
         out_scale=torch.tensor(4.0, device=device) if fp8_out else None,
-    )  # fmt: skip
+    )
 
 
 def to_device(inputs: dict, device: str | torch.device) -> dict:
@@ -324,9 +366,21 @@ def run_generated(use: VariantUse, t: dict) -> Outputs:
 
     v = use.variant
     out, aux, amax = fp8_gemm(
-        t["a"], t["b"], t["scale_inv_a"], t["scale_inv_b"], block_a=v.block_a, block_b=v.block_b, epilogue=v.epilogue, bias=t["bias"],
-        other=t["other"], residual=t["residual"], out_scale=t["out_scale"], out_dtype=v.out_dtype, aux_dtype=v.aux_dtype, fast_accum=v.fast_accum,
-    )  # fmt: skip
+        t["a"],
+        t["b"],
+        t["scale_inv_a"],
+        t["scale_inv_b"],
+        block_a=v.block_a,
+        block_b=v.block_b,
+        epilogue=v.epilogue,
+        bias=t["bias"],
+        other=t["other"],
+        residual=t["residual"],
+        out_scale=t["out_scale"],
+        out_dtype=v.out_dtype,
+        aux_dtype=v.aux_dtype,
+        fast_accum=v.fast_accum,
+    )
     return _present(use, out, aux, amax)
 
 
@@ -403,7 +457,9 @@ def compare_outputs(got: Outputs, ref: Outputs) -> dict:
     return result
 
 
-def check_gemm(use: VariantUse, m: int, n: int, k: int, paths, device: str | torch.device, where: str, seed: int = 0) -> list[dict]:
+def check_gemm(
+    use: VariantUse, m: int, n: int, k: int, paths, device: str | torch.device, where: str, seed: int = 0
+) -> list[dict]:
     """One GEMM of `use` through each of `paths` ("generated", "scaled_mm") on `device`, against
     the reference on CPU copies of the same inputs. A check that raises fails with the error."""
     base = dict(kind="gemm", where=where, variant=use.name, recipes=list(use.recipes), m=m, n=n, k=k)
@@ -433,7 +489,15 @@ def scaled_mm_paths(use: VariantUse) -> tuple[str, ...]:
 # --- a training step -------------------------------------------------------------------------------
 
 
-def step_tensors(recipe: str | None, kernels: str, dims: ModelDims, device, dtype: torch.dtype = torch.bfloat16, inner: str = "eager", seed: int = 0) -> list[Tensor]:
+def step_tensors(
+    recipe: str | None,
+    kernels: str,
+    dims: ModelDims,
+    device,
+    dtype: torch.dtype = torch.bfloat16,
+    inner: str = "eager",
+    seed: int = 0,
+) -> list[Tensor]:
     """Output, input gradient and parameter gradients of one forward+backward of SelftestModel
     compiled with fp8fx under `recipe` and `kernels`; `recipe` None: the model in fp32 without
     FP8, eagerly (the reference both FP8 steps are measured against)."""
@@ -455,7 +519,9 @@ def step_tensors(recipe: str | None, kernels: str, dims: ModelDims, device, dtyp
     return [out.detach(), x.grad, *(p.grad for p in model.parameters())]
 
 
-def check_step(recipe: str, kernels: str, dims: ModelDims, device, where: str, inner: str = "eager", dtype: torch.dtype = torch.bfloat16) -> dict:
+def check_step(
+    recipe: str, kernels: str, dims: ModelDims, device, where: str, inner: str = "eager", dtype: torch.dtype = torch.bfloat16
+) -> dict:
     """A training step with `kernels` against the same step with kernels="scaled_mm", each measured
     against the fp32 step without FP8: for the output and every gradient, the SQNR of `kernels`'
     step may fall short of kernels="scaled_mm"'s by at most STEP_SQNR_MARGIN_DB.
@@ -466,7 +532,16 @@ def check_step(recipe: str, kernels: str, dims: ModelDims, device, where: str, i
     quantization noise, while their SQNRs against the fp32 step stay close (fused against unfused
     epilogues on the CPU emulation of GPU_STEP_DIMS in bf16: docs/results.md, "On a GPU", first
     run)."""
-    base = dict(kind="step", where=where, recipe=recipe, kernels=kernels, baseline="scaled_mm", tokens=dims.batch * dims.seq, dim=dims.dim, dtype=_dtype_name(dtype))
+    base = dict(
+        kind="step",
+        where=where,
+        recipe=recipe,
+        kernels=kernels,
+        baseline="scaled_mm",
+        tokens=dims.batch * dims.seq,
+        dim=dims.dim,
+        dtype=_dtype_name(dtype),
+    )
     try:
         exact = step_tensors(None, kernels, dims, device, dtype, inner)
         ref = step_tensors(recipe, "scaled_mm", dims, device, dtype, inner)
@@ -481,9 +556,13 @@ def check_step(recipe: str, kernels: str, dims: ModelDims, device, where: str, i
         return dict(base, passed=False, error="a non-finite output or gradient")
     shortfall = max(r - g for g, r in zip(got_db, ref_db))
     return dict(
-        base, passed=shortfall <= STEP_SQNR_MARGIN_DB, min_sqnr_db=_round(min(got_db)), baseline_min_sqnr_db=_round(min(ref_db)),
-        max_shortfall_db=_round(shortfall), tensors=len(got_db),
-    )  # fmt: skip
+        base,
+        passed=shortfall <= STEP_SQNR_MARGIN_DB,
+        min_sqnr_db=_round(min(got_db)),
+        baseline_min_sqnr_db=_round(min(ref_db)),
+        max_shortfall_db=_round(shortfall),
+        tensors=len(got_db),
+    )
 
 
 # --- offline builds and the interpreter (the CPU branch) ------------------------------------------
@@ -516,7 +595,12 @@ def build_checks(plan: list[tuple[VariantUse, str]], progress: Progress | None =
     return checks
 
 
-def interpreter_job(uses: list[VariantUse], shapes=INTERPRETER_SHAPES, step_recipe: str | None = "tensorwise", dims: ModelDims = INTERPRETER_STEP_DIMS) -> dict:
+def interpreter_job(
+    uses: list[VariantUse],
+    shapes=INTERPRETER_SHAPES,
+    step_recipe: str | None = "tensorwise",
+    dims: ModelDims = INTERPRETER_STEP_DIMS,
+) -> dict:
     """What the interpreter child runs: GEMMs of `uses` at `shapes`, and one training step.
 
     The step runs in fp32: Triton's interpreter truncates fp32 -> bf16 conversions (a GPU rounds
@@ -540,7 +624,9 @@ def run_interpreter_job(job: dict) -> list[dict]:
             checks += check_gemm(use, m, n, k, ("generated",), "cpu", where="interpreter")
     if job.get("step"):
         dims = ModelDims(**job["step"]["dims"])
-        checks.append(check_step(job["step"]["recipe"], "triton", dims, "cpu", where="interpreter", dtype=_dtype(job["step"]["dtype"])))
+        checks.append(
+            check_step(job["step"]["recipe"], "triton", dims, "cpu", where="interpreter", dtype=_dtype(job["step"]["dtype"]))
+        )
     return checks
 
 
@@ -562,11 +648,22 @@ def finish_interpreter(proc: subprocess.Popen, workdir: Path, timeout: float = I
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        return [dict(kind="interpreter", where="interpreter", passed=False, error=f"the interpreter process took over {timeout:.0f} s")]
+        return [
+            dict(
+                kind="interpreter", where="interpreter", passed=False, error=f"the interpreter process took over {timeout:.0f} s"
+            )
+        ]
     result = workdir / "result.json"
     if code != 0 or not result.exists():
         tail = (workdir / "child.log").read_text()[-1500:].strip()
-        return [dict(kind="interpreter", where="interpreter", passed=False, error=f"the interpreter process exited with code {code}: {tail}")]
+        return [
+            dict(
+                kind="interpreter",
+                where="interpreter",
+                passed=False,
+                error=f"the interpreter process exited with code {code}: {tail}",
+            )
+        ]
     return json.loads(result.read_text())["checks"]
 
 
@@ -622,7 +719,9 @@ def cuda_bench(fn: Callable[[], object], grad_to_none: list[Tensor] | None = Non
     return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
 
 
-def time_gemms(chosen: list[tuple[str, VariantUse]], shapes, device, bench: Callable | None = None, progress: Progress | None = None) -> list[dict]:
+def time_gemms(
+    chosen: list[tuple[str, VariantUse]], shapes, device, bench: Callable | None = None, progress: Progress | None = None
+) -> list[dict]:
     """One row per (variant, shape): generated_ms, scaled_mm_ms, bf16_ms and their TFLOP/s (None
     and an error where a kernel failed; BF16 `torch.mm` timed once per shape)."""
     bench = bench if bench is not None else cuda_bench
@@ -675,14 +774,22 @@ def speed_summary(rows: list[dict]) -> list[dict]:
         mine = [r for r in rows if r["variant"] == variant]
         med = {p: _median([r[f"{p}_tflops"] for r in mine]) for p in ("generated", "scaled_mm", "bf16")}
         both = [r for r in mine if r["generated_ms"] and r["scaled_mm_ms"]]
-        summary.append(dict(
-            role=mine[0]["role"], variant=variant, shapes=len(mine), median_tflops=med,
-            generated_faster=sum(r["generated_ms"] <= r["scaled_mm_ms"] for r in both), compared=len(both),
-        ))  # fmt: skip
+        summary.append(
+            dict(
+                role=mine[0]["role"],
+                variant=variant,
+                shapes=len(mine),
+                median_tflops=med,
+                generated_faster=sum(r["generated_ms"] <= r["scaled_mm_ms"] for r in both),
+                compared=len(both),
+            )
+        )
     return summary
 
 
-def time_block(dims: ModelDims, device, bench: Callable | None = None, inner: str = "inductor", baseline_backend: str = "inductor") -> dict:
+def time_block(
+    dims: ModelDims, device, bench: Callable | None = None, inner: str = "inductor", baseline_backend: str = "inductor"
+) -> dict:
     """Training-step time of SelftestModel in BF16: fp8fx (kernels auto), fp8fx with
     kernels="scaled_mm", and plain torch.compile; milliseconds (None and an error if one failed)."""
     from fp8fx.compiler.backend import backend as fp8fx_backend
@@ -753,8 +860,16 @@ def gpu_status() -> GpuStatus:
     except RuntimeError as e:  # no FP8 tensor cores, or ROCm
         return GpuStatus(None, f"{name}: {e}", "cpu")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise SelftestError("TRITON_INTERPRET is set: fp8fx's kernels would run in Triton's interpreter, not on the GPU; unset it")
-    info = dict(name=name, capability=f"{major}.{minor}", target=target, sms=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1))
+        raise SelftestError(
+            "TRITON_INTERPRET is set: fp8fx's kernels would run in Triton's interpreter, not on the GPU; unset it"
+        )
+    info = dict(
+        name=name,
+        capability=f"{major}.{minor}",
+        target=target,
+        sms=props.multi_processor_count,
+        memory_gib=round(props.total_memory / 2**30, 1),
+    )
     return GpuStatus(info, "", _label(name))
 
 
@@ -798,7 +913,9 @@ def check_groups(checks: list[dict]) -> list[dict]:
     """Checks counted per (kind, where), with the lowest SQNR seen: the summary people read."""
     groups: dict = {}
     for c in checks:
-        g = groups.setdefault((c["kind"], c["where"]), dict(kind=c["kind"], where=c["where"], passed=0, total=0, min_sqnr_db=None))
+        g = groups.setdefault(
+            (c["kind"], c["where"]), dict(kind=c["kind"], where=c["where"], passed=0, total=0, min_sqnr_db=None)
+        )
         g["total"] += 1
         g["passed"] += bool(c["passed"])
         for db in _sqnrs(c):
@@ -808,17 +925,38 @@ def check_groups(checks: list[dict]) -> list[dict]:
 
 def _sqnrs(check: dict) -> list[float]:
     found = [check["min_sqnr_db"]] if check.get("min_sqnr_db") is not None else []
-    return found + [part["sqnr_db"] for part in (check.get("out"), check.get("aux")) if isinstance(part, dict) and part.get("sqnr_db") is not None]
+    return found + [
+        part["sqnr_db"]
+        for part in (check.get("out"), check.get("aux"))
+        if isinstance(part, dict) and part.get("sqnr_db") is not None
+    ]
 
 
-def build_report(env: dict, status: GpuStatus, uses: list[VariantUse], checks: list[dict], speed: dict | None, seconds: float, table: str | None) -> dict:
+def build_report(
+    env: dict,
+    status: GpuStatus,
+    uses: list[VariantUse],
+    checks: list[dict],
+    speed: dict | None,
+    seconds: float,
+    table: str | None,
+) -> dict:
     """The JSON document of one self-test. `passed`: every correctness check passed (and there was one)."""
     data = dict(
-        schema=SCHEMA, created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        passed=bool(checks) and all(c["passed"] for c in checks), environment=env, gpu=status.info, no_gpu_reason=status.reason or None,
+        schema=SCHEMA,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        passed=bool(checks) and all(c["passed"] for c in checks),
+        environment=env,
+        gpu=status.info,
+        no_gpu_reason=status.reason or None,
         thresholds=dict(gemm_sqnr_db=GEMM_SQNR_DB, step_sqnr_margin_db=STEP_SQNR_MARGIN_DB, amax_rtol=AMAX_RTOL, ulp=_ulps()),
-        variants=[use_to_dict(u) for u in uses], summary=check_groups(checks), checks=checks, speed=speed, dispatch_table=table, seconds=round(seconds, 1),
-    )  # fmt: skip
+        variants=[use_to_dict(u) for u in uses],
+        summary=check_groups(checks),
+        checks=checks,
+        speed=speed,
+        dispatch_table=table,
+        seconds=round(seconds, 1),
+    )
     return _json_safe(data)
 
 
@@ -828,7 +966,11 @@ def dispatch_table(env: dict, gpu: dict, rows: list[dict]) -> dict:
     from fp8fx.codegen.dispatch import TABLE_FORMAT
 
     gemms = [{key: r[key] for key in TABLE_KEYS} for r in rows if r.get("generated_ms") and r.get("scaled_mm_ms")]
-    return _json_safe(dict(format=TABLE_FORMAT, device=gpu["name"], capability=gpu["capability"], target=gpu["target"], versions=env, gemms=gemms))
+    return _json_safe(
+        dict(
+            format=TABLE_FORMAT, device=gpu["name"], capability=gpu["capability"], target=gpu["target"], versions=env, gemms=gemms
+        )
+    )
 
 
 def write_json(data: dict, path: Path) -> None:
@@ -851,7 +993,9 @@ class SelftestResult:
         return bool(self.data["passed"])
 
 
-def run(out: Path | None = None, write_table: bool = True, quick: bool = False, progress: Progress | None = None) -> SelftestResult:
+def run(
+    out: Path | None = None, write_table: bool = True, quick: bool = False, progress: Progress | None = None
+) -> SelftestResult:
     """Run the self-test on this machine (GPU branch or CPU branch) and write its JSON to `out`
     (default: fp8fx-selftest-<device>.json in the current directory) and, on a GPU, the dispatch
     table at `fp8fx.codegen.dispatch.table_path(name)` unless `write_table` is False.
@@ -904,7 +1048,9 @@ def gpu_plan(quick: bool = False) -> GpuPlan:
     return GpuPlan(timing_shapes=tuple(gemm_shapes(quick)), block_dims=block)
 
 
-def gpu_checks(uses: list[VariantUse], plan: GpuPlan, device, bench: Callable | None = None, progress: Progress | None = None) -> tuple[list[dict], dict]:
+def gpu_checks(
+    uses: list[VariantUse], plan: GpuPlan, device, bench: Callable | None = None, progress: Progress | None = None
+) -> tuple[list[dict], dict]:
     """The GPU branch: every variant at the plan's shapes through both kernels, the training steps,
     then the timings. `device` and `bench` are parameters so the tests can run it on the CPU."""
     checks: list[dict] = []

@@ -35,7 +35,10 @@ def _flags(report: Report, min_sqnr_db: float | None) -> dict[str, list[Flag]]:
         reasons = []
         if op.slower:
             p = op.predicted
-            reasons.append(f"{op.role} predicted {p.speedup:.2f}x on {report.target.name} ({p.fp8_us:.1f} us in FP8 vs {p.bf16_us:.1f} us in BF16)")
+            reasons.append(
+                f"{op.role} predicted {p.speedup:.2f}x on {report.target.name} ({p.fp8_us:.1f} us in FP8 vs "
+                f"{p.bf16_us:.1f} us in BF16)"
+            )
         sqnr = op.numerics.sqnr_db if op.numerics else None
         if min_sqnr_db is not None and sqnr is not None and sqnr < min_sqnr_db:
             reasons.append(f"{op.role} SQNR {sqnr:.1f} dB < {min_sqnr_db:g} dB")
@@ -48,7 +51,9 @@ def _exact(site: str) -> str:
     return "re:" + re.escape(site) if any(c in site for c in "*?[") else site
 
 
-def suggest_policy(report: Report, policy: Policy | None = None, min_sqnr_db: float | None = DEFAULT_MIN_SQNR_DB) -> tuple[str, int]:
+def suggest_policy(
+    report: Report, policy: Policy | None = None, min_sqnr_db: float | None = DEFAULT_MIN_SQNR_DB
+) -> tuple[str, int]:
     """A commented policy YAML keeping the flagged GEMMs high, and the number of rules added.
 
     `report` comes from `fp8fx.analyze` with `policy`, with predictions (`Report.with_predictions`)
@@ -59,10 +64,14 @@ def suggest_policy(report: Report, policy: Policy | None = None, min_sqnr_db: fl
     if min_sqnr_db is not None and any(op.numerics for op in report.ops):
         basis.append(f"numerics measured on calibration data (kept high where SQNR < {min_sqnr_db:g} dB)")
     header = "from " + (" and ".join(basis) or "the analysis alone (no target or numerics: nothing to flag)")
-    return policy_keeping_high(report.ops, _flags(report, min_sqnr_db), policy or Policy(), "fp8fx analyze --suggest-policy", header)
+    return policy_keeping_high(
+        report.ops, _flags(report, min_sqnr_db), policy or Policy(), "fp8fx analyze --suggest-policy", header
+    )
 
 
-def policy_keeping_high(ops: list[OpRecord], flagged: dict[str, list[Flag]], policy: Policy, made_by: str, basis: str) -> tuple[str, int]:
+def policy_keeping_high(
+    ops: list[OpRecord], flagged: dict[str, list[Flag]], policy: Policy, made_by: str, basis: str
+) -> tuple[str, int]:
     """`policy` with rules, first, keeping the flagged GEMMs of each site high (see the module
     docstring), as commented YAML; and the number of rules added."""
     sites = {op.site: op for op in ops}
