@@ -52,3 +52,15 @@ def test_every_docs_page_is_linked_from_the_readme():
     linked = {(ROOT / t.partition("#")[0]).resolve() for t in LINK.findall(readme) if t.startswith("docs/")}
     assert PAGES[1:], "docs/ holds no pages"
     assert [p.name for p in PAGES[1:] if p.resolve() not in linked] == []
+
+
+def test_readme_lists_every_backend_option():
+    """The README's `fp8fx.backend(...)` block names exactly the options `BackendOptions` has."""
+    from dataclasses import fields
+
+    from fp8fx.passes.options import BackendOptions
+
+    text = (ROOT / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.DOTALL) if b.startswith("fp8fx.backend("))
+    named = re.findall(r"^(?:fp8fx\.backend\()?\s*(\w+)=", block, re.MULTILINE)
+    assert sorted(named) == sorted(f.name for f in fields(BackendOptions))
