@@ -512,10 +512,9 @@ def backend(policy: Policy | str | Path | None = None, **options: Any) -> Fp8fxB
     saved for backward) or "recompute" (cast again in backward from the weight, which is alive
     anyway, with the scale forward computed: fewer saved bytes for one more cast per weight;
     dynamic scaling only). "auto" (the default) is "recompute" under dynamic scaling and "keep"
-    under delayed scaling: a kept
-    copy holds every layer's FP8 weights from forward to backward (all of them unsharded under
-    FSDP), which put a Llama step's peak above BF16's for a step only slightly faster than
-    recomputing (docs/results.md, "On a GPU").
+    under delayed scaling: a kept copy holds every layer's FP8 weights from forward to backward
+    (all of them unsharded under FSDP), which put a Llama step's peak above BF16's for a step only
+    slightly faster than recomputing (docs/results.md, "On a GPU").
 
     `cublas_devices` are the device types on which, under Inductor, a GEMM the graph gives to cuBLAS
     becomes `aten._scaled_mm` in Inductor's code (`fp8fx.compiler.lowering`): ("cuda",), or with
