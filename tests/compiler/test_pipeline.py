@@ -60,3 +60,18 @@ def test_the_options_are_one_frozen_value_the_backend_reads():
         backend.options.replace(inner="jit")
     with pytest.raises(TypeError, match="cublas_devices must be a tuple of device types"):
         BackendOptions(cublas_devices="cpu")
+
+
+def test_the_architecture_page_draws_the_pipeline_from_the_stages():
+    """docs/architecture.md's pipeline table lists every stage and its passes in `STAGES`'s order."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).parents[2] / "docs" / "architecture.md").read_text()
+    table = page.split("## The compile pipeline on one screen")[1].split("\n## ")[0]
+    rows = re.findall(r"^\| (`\w+`)?[^|]*\| `(\w+)` \|", table, re.MULTILINE)
+    listed, stage = [], None
+    for stage_cell, name in rows:
+        stage = stage_cell.strip("`") or stage
+        listed.append((stage, name))
+    assert listed == [(s.name, p.__name__) for s in pipeline.STAGES for p in s.passes]
