@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import random
 from collections import Counter
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -38,29 +39,72 @@ def lowered_by_inductor(fn, *args):
     return run_and_get_code(torch.compile(fn, backend=backend, fullgraph=True), *args)
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_a_training_step_leaves_no_fp8fx_op_to_inductor_on_cpu(recipe):
-    """Before the lowering, one Llama layer's step called 111 fp8fx ops from Inductor's code (20
-    amaxes, 21 scales, 21 casts, 21 scale inverses, 4 saved copies, 24 GEMMs)."""
+class Fp32Step(NamedTuple):
+    """What one compile of the fp32 one-layer Llama's training step under Inductor leaves (default
+    backend options but the policy): read by the tests, not changed."""
+
+    loss: torch.Tensor
+    code: tuple[str, ...]  # Inductor's code for the step (run_and_get_code)
+    report: fp8fx.Report
+    records: tuple  # backend.graphs
+    grads: tuple  # each parameter's gradient (None if it got none)
+    graphs: tuple[torch.fx.GraphModule, ...]  # the graphs lower_elementwise got (forward, backward)
+
+
+@pytest.fixture(scope="module")
+def fp32_step():
+    """`fp32_step(recipe)`: one training step of the fp32 one-layer Llama compiled with
+    `fp8fx.backend(policy=Policy.from_recipe(recipe), inner="inductor")` (caches off), compiled
+    once per recipe in this module: test_a_training_step_leaves_no_fp8fx_op_to_inductor_on_cpu and
+    test_backward_casts_the_weights_again_with_the_scales_forward_saved compiled the same step
+    (model, input, options) each. What is shared are its results, no compiled callable."""
+    steps: dict[str, Fp32Step] = {}
+
+    def step(recipe: str) -> Fp32Step:
+        if recipe not in steps:
+            steps[recipe] = _fp32_step(recipe)
+        return steps[recipe]
+
+    yield step
+    steps.clear()
+
+
+def _fp32_step(recipe: str) -> Fp32Step:
+    graphs = []
+    lower = lowering.lower_elementwise
     model = one_layer_llama()
     ids = torch.randint(0, 512, (2, 16))
     backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor")
     compiled = torch.compile(model, backend=backend)
     # (Inductor's caches off: a hit keeps the records of the process that compiled, which hold only the counted passes)
-    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        torch._functorch.config.patch(enable_autograd_cache=False),
+        torch._inductor.config.patch(fx_graph_cache=False),
+    ):
+        mp.setattr(lowering, "lower_elementwise", lambda gm, *args: (graphs.append(gm), lower(gm, *args))[1])
         loss, code = run_and_get_code(lambda: compiled(input_ids=ids, labels=ids).loss)
         loss.backward()
+    grads = tuple(None if p.grad is None else p.grad.detach().clone() for p in model.parameters())
+    return Fp32Step(loss.detach(), tuple(code), fp8fx.report(backend), tuple(backend.graphs), grads, tuple(graphs))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_training_step_leaves_no_fp8fx_op_to_inductor_on_cpu(recipe, fp32_step):
+    """Before the lowering, one Llama layer's step called 111 fp8fx ops from Inductor's code (20
+    amaxes, 21 scales, 21 casts, 21 scale inverses, 4 saved copies, 24 GEMMs)."""
+    step = fp32_step(recipe)
+    loss, code, report = step.loss, step.code, step.report
     assert fp8fx_calls(code) == []
     assert "Float8_e4m3fn" in "\n".join(code)  # the casts are Inductor's own kernels
-    report = fp8fx.report(backend)
     assert len(report.fp8_ops) >= 6 and torch.isfinite(loss)
     # Memory passes counted from Inductor's kernels: fewer than the ops one by one would make, and
     # fewer operand copies (operands cast in the graph are written K-major by their cast's kernel).
     assert {op.memory_passes_from for op in report.fp8_ops} == {"inductor"}
-    one_by_one = [op for g in backend.graphs for op in g.ops if op.memory_passes_added is not None]
+    one_by_one = [op for g in step.records for op in g.ops if op.memory_passes_added is not None]
     assert sum(op.memory_passes_added for op in report.fp8_ops) < sum(op.memory_passes_added for op in one_by_one)
     assert sum(op.transposed_copies for op in report.fp8_ops) < sum(op.transposed_copies for op in one_by_one)
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert all(g is not None and torch.isfinite(g).all() for g in step.grads)
 
 
 def _cast_case(rng: random.Random, g: torch.Generator):
@@ -162,12 +206,12 @@ def _read_through_views(node: torch.fx.Node) -> set:
     return found
 
 
-def test_backward_casts_the_weights_again_with_the_scales_forward_saved(monkeypatch):
+def test_backward_casts_the_weights_again_with_the_scales_forward_saved(fp32_step):
     """weight_fp8="recompute" (the default under dynamic scaling): backward casts each weight
     again, with the scale forward computed and saved (a scalar); an amax of a weight in backward
     would read the whole weight again. The scale's inverse, which the GEMMs read, is saved too:
     computed again in backward it was a kernel of its own (a launch per weight on a GPU)."""
-    graphs = lowered_step_graphs(monkeypatch, "tensorwise")
+    graphs = fp32_step("tensorwise").graphs  # the step lowered_step_graphs(monkeypatch, "tensorwise") compiled
     backward = [gm for gm in graphs if any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)]
     assert len(backward) == 1
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -45,34 +46,72 @@ def test_inference_graph_has_one_fused_gemm_per_matmul_and_no_leftover_elementwi
     assert sqnr(out, ref) >= OUTPUT_SQNR_DB
 
 
-def test_fused_and_unfused_graphs_agree():
+class TrainingStep(NamedTuple):
+    """One training step (the output's sum, backward) of a model seeded with 0, compiled with
+    `compiled(model, fuse_epilogues=fuse)`. Read by the tests, not changed."""
+
+    initial: nn.Module  # a copy of the model before the step (for an eager reference)
+    x: torch.Tensor  # the input (detached)
+    out: torch.Tensor  # the output (detached; a model's logits)
+    x_grad: torch.Tensor | None
+    grads: dict[str, torch.Tensor | None]  # each parameter's gradient, by name
+    kept_graphs: tuple  # backend.kept_graphs
+    report: fp8fx.Report
+
+
+def training_step(make_model, fuse: bool) -> TrainingStep:
     torch.manual_seed(0)
-    model = GatedBlock()
-    x = torch.randn(2, 16, 64, requires_grad=True)
+    model = make_model()
+    initial = copy.deepcopy(model)
+    backend, fast = compiled(model, fuse_epilogues=fuse)
+    x = torch.randn(2, 16, 64, requires_grad=True) if make_model is GatedBlock else torch.randint(0, 256, (2, 16))
+    out = fast(x)
+    out = out if isinstance(out, torch.Tensor) else out.logits
+    out.sum().backward()
+    grads = {name: None if p.grad is None else p.grad.detach().clone() for name, p in model.named_parameters()}
+    x_grad = None if x.grad is None else x.grad.detach().clone()
+    step = TrainingStep(
+        initial, x.detach().clone(), out.detach().clone(), x_grad, grads, tuple(backend.kept_graphs), fp8fx.report(backend)
+    )
+    torch._dynamo.reset()
+    return step
+
+
+@pytest.fixture(scope="module")
+def training_steps():
+    """`training_steps(make_model, fuse)`: `training_step`'s result, computed once per arguments in
+    this module. GatedBlock's step, fused and unfused, was compiled alike (same seed, weights, input,
+    options and loss) by test_fused_and_unfused_graphs_agree, test_fusion_saves_no_more_for_backward_than_unfused
+    and (fused) test_training_keeps_what_backward_needs_as_aux_outputs. What is shared are results,
+    no compiled callable; each call returns a fresh dict of gradients."""
+    steps: dict[tuple, TrainingStep] = {}
+
+    def get(make_model, fuse: bool) -> TrainingStep:
+        if (make_model, fuse) not in steps:
+            steps[make_model, fuse] = training_step(make_model, fuse)
+        return steps[make_model, fuse]._replace(grads=dict(steps[make_model, fuse].grads))
+
+    yield get
+    steps.clear()
+
+
+def test_fused_and_unfused_graphs_agree(training_steps):
     results = []
     for fuse in (True, False):
-        m = copy.deepcopy(model)
-        _, fast = compiled(m, fuse_epilogues=fuse)
-        xi = x.detach().clone().requires_grad_()
-        out = fast(xi)
-        out.sum().backward()
-        results.append((out, xi.grad, m.fc.weight.grad, m.gate.weight.grad))
-        torch._dynamo.reset()
+        step = training_steps(GatedBlock, fuse)
+        results.append((step.out, step.x_grad, step.grads["fc.weight"], step.grads["gate.weight"]))
     for fused, unfused in zip(*results):
         assert sqnr(fused, unfused) >= 60  # the same FP8 math, only rounded once less
 
 
-def test_training_keeps_what_backward_needs_as_aux_outputs():
-    torch.manual_seed(0)
-    model = GatedBlock()
-    reference = copy.deepcopy(model)
-    backend, fast = compiled(model)
-    x = torch.randn(2, 16, 64, requires_grad=True)
-    fast(x).sum().backward()
-    reference(x.detach().requires_grad_()).sum().backward()
-    fw, bw = graphs(backend, "forward")[0], graphs(backend, "backward")[0]
+def test_training_keeps_what_backward_needs_as_aux_outputs(training_steps):
+    step = training_steps(GatedBlock, True)
+    reference = copy.deepcopy(step.initial)
+    reference(step.x.clone().requires_grad_()).sum().backward()
+    fw = next(g for k, g in step.kept_graphs if k == "forward")
+    bw = next(g for k, g in step.kept_graphs if k == "backward")
     assert count(fw, FP8_GEMM) == 4 and count(bw, FP8_GEMM) == 8 and count(fw, SCALED_MM) + count(bw, SCALED_MM) == 0
-    report = fp8fx.report(backend)
+    report = step.report
     by_key = {(op.site, op.role): op for op in report.ops}
     # GELU backward needs the pre-activation: the fused GEMM stores it as its aux output.
     assert by_key[("fc", "output")].epilogue == "bias,act=gelu,aux=pre_activation,amax"
@@ -80,8 +119,8 @@ def test_training_keeps_what_backward_needs_as_aux_outputs():
     assert all(op.kernel and op.kernel.startswith("fp8_gemm_") for op in report.ops)
     assert all(op.memory_passes_added is not None for op in report.ops)
     assert report.summary()["fused_epilogues"] >= 4
-    for p, q in zip(model.parameters(), reference.parameters()):
-        assert sqnr(p.grad, q.grad) >= GRAD_SQNR_DB
+    for name, q in reference.named_parameters():
+        assert sqnr(step.grads[name], q.grad) >= GRAD_SQNR_DB
 
 
 def test_report_says_why_fusion_stopped():
@@ -115,20 +154,13 @@ def test_backend_rejects_unknown_kernels(kernels):
 
 
 @pytest.mark.parametrize("make_model", [GatedBlock, tiny_llama], ids=["gated_block", "llama"])
-def test_fusion_saves_no_more_for_backward_than_unfused(make_model):
+def test_fusion_saves_no_more_for_backward_than_unfused(make_model, training_steps):
     """Bytes of the tensors forward hands to backward (the backward graph's inputs)."""
     saved = {}
     for fuse in (True, False):
-        torch.manual_seed(0)
-        model = make_model()
-        backend, fast = compiled(model, fuse_epilogues=fuse)
-        x = torch.randn(2, 16, 64, requires_grad=True) if make_model is GatedBlock else torch.randint(0, 256, (2, 16))
-        out = fast(x)
-        (out if isinstance(out, torch.Tensor) else out.logits).sum().backward()
-        (bw,) = graphs(backend, "backward")
+        (bw,) = [g for k, g in training_steps(make_model, fuse).kept_graphs if k == "backward"]
         vals = [n.meta["val"] for n in bw.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
         saved[fuse] = sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
-        torch._dynamo.reset()
     assert saved[True] <= saved[False], saved
 
 

@@ -50,10 +50,30 @@ def run(saved: str, inner: str = "eager", weight_fp8: str = "keep"):
     return backend, totals, [(g, r) for g, r in zip(grads, [x.grad, *(p.grad for p in model.parameters())])]
 
 
+@pytest.fixture(scope="module")
+def runs():
+    """`runs(saved, inner, weight_fp8="keep")`: `run(...)`'s result, computed once per arguments in
+    this module (test_gemm_outputs_backward_reads_are_saved_in_bf16 and
+    test_weight_fp8_recompute_saves_no_fp8_weight_and_changes_no_gradient both ran
+    `run("bf16", inner)`). Each call returns a fresh dict of totals and list of gradient pairs;
+    the tests read the backend's kept graphs and the tensors, and change none."""
+    results: dict[tuple[str, str, str], tuple] = {}
+
+    def get(saved: str, inner: str = "eager", weight_fp8: str = "keep"):
+        key = (saved, inner, weight_fp8)
+        if key not in results:
+            results[key] = run(saved, inner, weight_fp8)
+        backend, totals, grads = results[key]
+        return backend, dict(totals), list(grads)
+
+    yield get
+    results.clear()
+
+
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
-def test_gemm_outputs_backward_reads_are_saved_in_bf16(inner):
-    _, high, high_grads = run("high", inner)
-    backend, bf16, grads = run("bf16", inner)
+def test_gemm_outputs_backward_reads_are_saved_in_bf16(inner, runs):
+    _, high, high_grads = runs("high", inner)
+    backend, bf16, grads = runs("bf16", inner)
     # GatedBlock keeps for backward fc's output (before GELU) and gate's and up's (SiLU x
     # product), all fp32 GEMM outputs: 128 KiB as computed, half of it in BF16, no fp32 left
     # but scalars (scales).
@@ -137,11 +157,11 @@ def test_backward_recomputes_each_value_just_before_its_first_use(inner, monkeyp
 
 
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
-def test_weight_fp8_recompute_saves_no_fp8_weight_and_changes_no_gradient(inner):
+def test_weight_fp8_recompute_saves_no_fp8_weight_and_changes_no_gradient(inner, runs):
     """weight_fp8="recompute": backward casts each weight again instead of keeping forward's FP8
     copy; the same cast of the same weight, so the gradients are those of keeping it."""
-    _, kept, kept_grads = run("bf16", inner)
-    _, recomputed, grads = run("bf16", inner, weight_fp8="recompute")
+    _, kept, kept_grads = runs("bf16", inner)
+    _, recomputed, grads = runs("bf16", inner, weight_fp8="recompute")
     weights = 3 * 128 * 64 + 64 * 64  # fc, gate, up and down: one byte per element of each FP8 copy
     assert kept[torch.float8_e4m3fn] - recomputed.get(torch.float8_e4m3fn, 0) == weights
     for (a, _), (b, _) in zip(kept_grads, grads):
