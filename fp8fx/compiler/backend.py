@@ -412,7 +412,7 @@ class Fp8fxBackend:
         passes = MemoryPassCounts()
         with cache.kept_whole(KEPT_WHOLE) as decompositions:
             ctx = StageContext(options=self.options, rewrite=rewrite, kept_whole=decompositions, memory_pass_counts=passes)
-            with inductor_config.patch(joint_custom_pre_pass=_InductorJointPass(ctx)):
+            with inductor_config.patch(joint_custom_pre_pass=_InductorJointHook(ctx)):
                 compiled = compile_fx(gm, example_inputs, inner_compile=functools.partial(compile_partitioned, ctx=ctx))
         made = self.graphs[first:]
         for g in made:  # (a backward Inductor compiles later is counted when it does: the report reads the counts)
@@ -468,7 +468,7 @@ class _Rewrite:
         return cache.pass_key({"backend": key, "params": sorted(self.param_inputs), "group": group}) if key else None
 
 
-class _InductorJointPass(CustomGraphPass):
+class _InductorJointHook(CustomGraphPass):
     """Inductor's joint-graph pre-pass: the `JOINT` stage (`fp8fx.compiler.pipeline`), in place."""
 
     def __init__(self, ctx: StageContext):
