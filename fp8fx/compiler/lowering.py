@@ -148,52 +148,51 @@ def _on_cublas(a: Tensor, b: Tensor, block_a: list[int], block_b: list[int], gpu
     )
 
 
+def _on_cublas_gemm(g: ScaledMmArgs | Fp8GemmArgs, devices: tuple[str, ...]) -> bool:
+    """Whether the graph gives this GEMM to cuBLAS (`_on_cublas`); `fp8fx::scaled_mm` always runs
+    `torch._scaled_mm` on a GPU."""
+    return _on_cublas(g.a, g.b, g.block_a, g.block_b, getattr(g, "gpu_kernel", "scaled_mm"), devices)
+
+
+def _emulated_gemm(g: ScaledMmArgs | Fp8GemmArgs, devices: tuple[str, ...]) -> bool:
+    """Whether a GEMM runs the exact CPU emulation: one the graph does not give to cuBLAS on `devices`."""
+    return not _on_cublas_gemm(g, devices) and _emulated(g.a, g.b, getattr(g, "gpu_kernel", "scaled_mm"))
+
+
+def _scaled_mm(*args, devices: tuple[str, ...], **kwargs):
+    """`fp8fx::scaled_mm` (a GEMM without fused epilogue: batched, or `fuse_epilogues=False`): the
+    exact CPU emulation, or on cuBLAS as its CUDA implementation runs it (traced, as `_cublas_fp8_gemm`)."""
+    g = ScaledMmArgs.bind(args, kwargs)
+    if _emulated_gemm(g, devices):
+        return reference.emulated_mm(g.a, g.b, g.scale_inv_a, g.scale_inv_b, g.bias, g.out_dtype, g.block_a, g.block_b, _to_fp32)
+    if not _on_cublas_gemm(g, devices):
+        return NotImplemented
+    return cuda.scaled_mm_cuda(*g.operands, g.scale_inv_a, g.scale_inv_b, g.bias, g.out_dtype, g.block_a, g.block_b, g.fast_accum)
+
+
 def _cublas_fp8_gemm(g: Fp8GemmArgs, devices: tuple[str, ...]):
     """A cuBLAS FP8 GEMM as the ATen ops `fp8fx::fp8_gemm`'s CUDA implementation runs (traced: its
     `aten._scaled_mm` and epilogue), so that Inductor's code calls cuBLAS itself (no Python per
     call, as for torchao's GEMMs) and fuses the epilogue. Its padding and column-major copy are
     no-ops here: the sizes are multiples of 16 and the operands K-major (`lay_out_operands`)."""
-    if not _on_cublas(g.a, g.b, g.block_a, g.block_b, g.gpu_kernel, devices):
+    if not _on_cublas_gemm(g, devices):
         return NotImplemented
     return cuda.fp8_gemm_on_cuda(g)
 
 
-def _scaled_mm(*args, devices: tuple[str, ...], **kwargs):
-    """`fp8fx::scaled_mm` (a GEMM without fused epilogue: batched, or `fuse_epilogues=False`): on
-    cuBLAS as its CUDA implementation runs it (traced, as `_cublas_fp8_gemm`), else the exact CPU
-    emulation."""
-    g = ScaledMmArgs.bind(args, kwargs)
-    if _on_cublas(g.a, g.b, g.block_a, g.block_b, "scaled_mm", devices):
-        return cuda.scaled_mm_cuda(
-            *g.operands, g.scale_inv_a, g.scale_inv_b, g.bias, g.out_dtype, g.block_a, g.block_b, g.fast_accum
-        )
-    if not _emulated(g.a, g.b):
-        return NotImplemented
-    return reference.emulated_mm(g.a, g.b, g.scale_inv_a, g.scale_inv_b, g.bias, g.out_dtype, g.block_a, g.block_b, _to_fp32)
-
-
-def _fp8_gemm_emulated(g: Fp8GemmArgs, devices: tuple[str, ...]) -> bool:
-    """Whether an `fp8fx::fp8_gemm` runs the exact CPU emulation: one the graph does not give to cuBLAS on `devices`."""
-    return not _on_cublas(g.a, g.b, g.block_a, g.block_b, g.gpu_kernel, devices) and _emulated(g.a, g.b, g.gpu_kernel)
-
-
 def _fp8_gemm(*args, devices: tuple[str, ...], **kwargs):
     g = Fp8GemmArgs.bind(args, kwargs)
-    if _fp8_gemm_emulated(g, devices):
+    if _emulated_gemm(g, devices):
         return reference.emulated_fp8_gemm(g, _to_fp32)
     return _cublas_fp8_gemm(g, devices)
 
 
 def _runs_emulated(gemm: fx.Node, cublas_devices: tuple[str, ...]) -> bool:
     """Whether an `fp8fx::` GEMM node becomes the exact CPU emulation here (`_scaled_mm`, `_fp8_gemm`)."""
-    if gemm.target is fp8fx_ops.scaled_mm.default:
-        g = ScaledMmArgs.of(gemm)
-        a, b = g.a.meta["val"], g.b.meta["val"]
-        return not _on_cublas(a, b, g.block_a, g.block_b, "scaled_mm", cublas_devices) and _emulated(a, b)
-    if gemm.target is fp8fx_ops.fp8_gemm.default:
-        g = Fp8GemmArgs.of(gemm)
-        return _fp8_gemm_emulated(g.replace(a=g.a.meta["val"], b=g.b.meta["val"]), cublas_devices)
-    return False
+    if gemm.target not in (fp8fx_ops.scaled_mm.default, fp8fx_ops.fp8_gemm.default):
+        return False
+    g = gemm_args(gemm)
+    return _emulated_gemm(g.replace(a=g.a.meta["val"], b=g.b.meta["val"]), cublas_devices)
 
 
 LOWERED = {
