@@ -40,17 +40,38 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def run_child(cache_dir, recipe: str) -> dict:
+def child(cache_dir, recipe: str) -> subprocess.CompletedProcess:
     env = {"TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", CHILD, recipe], env=env, capture_output=True, text=True, check=False)
+    return subprocess.run([sys.executable, "-c", CHILD, recipe], env=env, capture_output=True, text=True, check=False)
+
+
+def run_child(cache_dir, recipe: str) -> dict:
+    out = child(cache_dir, recipe)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def cold_run(tmp_path_factory):
+    """`cold_run(recipe)`: (cache directory, result) of the first process to compile `recipe`'s
+    model into an empty cache, run once per recipe in this module (each test copies the directory
+    before it changes anything in it)."""
+    runs: dict[str, tuple] = {}
+
+    def run(recipe: str):
+        if recipe not in runs:
+            cache_dir = tmp_path_factory.mktemp(f"cold-{recipe}")
+            runs[recipe] = cache_dir, run_child(cache_dir, recipe)
+        return runs[recipe]
+
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
-def test_a_second_process_is_served_from_the_cache_with_the_same_report(tmp_path, recipe):
-    cold = run_child(tmp_path, recipe)
+def test_a_second_process_is_served_from_the_cache_with_the_same_report(tmp_path, recipe, cold_run):
+    cold_dir, cold = cold_run(recipe)
+    shutil.copytree(cold_dir, tmp_path, dirs_exist_ok=True)
     warm = run_child(tmp_path, recipe)
     assert cold["aot_hits"] == 0 and warm["aot_hits"] == 2 and warm["fx_hits"] >= 3
     kinds = [op["graph_kind"] for op in cold["report"]["ops"]]
@@ -63,11 +84,10 @@ def test_a_second_process_is_served_from_the_cache_with_the_same_report(tmp_path
 
 
 @pytest.mark.slow
-def test_a_cache_hit_without_its_records_names_the_file(tmp_path):
-    run_child(tmp_path, "tensorwise")
+def test_a_cache_hit_without_its_records_names_the_file(tmp_path, cold_run):
+    shutil.copytree(cold_run("tensorwise")[0], tmp_path, dirs_exist_ok=True)
     shutil.rmtree(tmp_path / RECORDS_DIR)
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", CHILD, "tensorwise"], env=env, capture_output=True, text=True, check=False)
+    out = child(tmp_path, "tensorwise")
     assert out.returncode != 0
     assert f"its report records ({tmp_path / RECORDS_DIR}" in out.stderr and "delete the cache directory" in out.stderr
 
