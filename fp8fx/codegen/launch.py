@@ -557,10 +557,9 @@ def grouped_fp8_gemm(
 
 def _launch_quantize(x: Tensor, out: Tensor, scale: Tensor, amax: Tensor, variant: QuantizeVariant) -> None:
     """One `quantize_kernel` launch over 2-D `x` (scales per block, or one shared: strides 0)."""
-    b0, b1, tile_r, tile_c = variant.blocking()
     (r, c), block = x.shape, variant.block
     scale_strides = (scale.stride(0), scale.stride(1)) if block else (0, 0)
-    grid, columns_first = block_grid(triton.cdiv(r, b0) if b0 else 1, triton.cdiv(c, b1) if b1 else 1)
+    grid, columns_first = block_grid(*variant.programs(r, c))
     quantize_kernel[grid](
         x,
         out,
@@ -573,23 +572,20 @@ def _launch_quantize(x: Tensor, out: Tensor, scale: Tensor, amax: Tensor, varian
         out.stride(0),
         out.stride(1),
         *scale_strides,
-        ROW_BLOCK=b0,
-        COL_BLOCK=b1,
-        TILE_R=tile_r,
-        TILE_C=tile_c,
         COLUMNS_FIRST=columns_first,
+        **variant.blocking(),
         **variant.constexprs(),
     )
 
 
-def block_grid(row_blocks: int, col_blocks: int) -> tuple[tuple[int, int], bool]:
-    """(grid, columns_first) for one program per block: the longer side on grid x (up to 2**31 - 1),
-    the shorter on y (up to 65535): a rowwise cast of 1M tokens or a per-column cast of a 256k
-    vocabulary both fit."""
-    columns_first = col_blocks > row_blocks
-    grid = (col_blocks, row_blocks) if columns_first else (row_blocks, col_blocks)
+def block_grid(row_programs: int, col_programs: int) -> tuple[tuple[int, int], bool]:
+    """(grid, columns_first) for row_programs x col_programs programs (`QuantizeVariant.programs`, or
+    the amax pass's tiles): the longer side on grid x (up to 2**31 - 1), the shorter on y (up to 65535),
+    so a rowwise cast of 1M tokens or a per-column cast of a 256k vocabulary both fit."""
+    columns_first = col_programs > row_programs
+    grid = (col_programs, row_programs) if columns_first else (row_programs, col_programs)
     if grid[0] > GRID_LIMITS[0] or grid[1] > GRID_LIMITS[1]:
-        raise ValueError(f"fp8fx quantize: {row_blocks} x {col_blocks} scale blocks exceed CUDA's grid limits")
+        raise ValueError(f"fp8fx quantize: {row_programs} x {col_programs} programs exceed CUDA's grid limits")
     return grid, columns_first
 
 
@@ -631,7 +627,8 @@ def quantize(
     scale = torch.empty(scale_shape(x.shape, block), dtype=torch.float32, device=device)
     if not block and amax is None:  # tensorwise: amax over the whole tensor first
         amax = torch.zeros((), dtype=torch.float32, device=device)
-        _, _, tile_r, tile_c = variant.blocking()
+        blocking = variant.blocking()
+        tile_r, tile_c = blocking["TILE_R"], blocking["TILE_C"]
         grid, columns_first = block_grid(triton.cdiv(r, tile_r), triton.cdiv(c, tile_c))
         amax_kernel[grid](x, amax, r, c, x.stride(0), x.stride(1), TILE_R=tile_r, TILE_C=tile_c, COLUMNS_FIRST=columns_first)
     _launch_quantize(x, out, scale, amax.reshape(()) if amax is not None else scale, variant)

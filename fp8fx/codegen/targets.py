@@ -162,17 +162,9 @@ def gemm_ir(variant: GemmVariant, arch: str, config: TileConfig, family: str = "
 
 
 def build_quantize(variant: QuantizeVariant, arch: str) -> BuildResult:
-    b0, b1, tile_r, tile_c = variant.blocking()  # as the launcher runs it
-    config = TileConfig(tile_r, 1, tile_c, 1, 4, 1)  # (tile_r, -, tile_c), for the report
-    constexprs = {
-        **variant.constexprs(),
-        "ROW_BLOCK": b0,
-        "COL_BLOCK": b1,
-        "TILE_R": tile_r,
-        "TILE_C": tile_c,
-        "COLUMNS_FIRST": False,
-        "stride_xc": 1,
-    }
+    blocking = variant.blocking()  # as the launcher runs it
+    config = TileConfig(blocking["TILE_R"], 1, blocking["TILE_C"], 1, 4, 1)  # (tile_r, -, tile_c), for the report
+    constexprs = {**variant.constexprs(), **blocking, "COLUMNS_FIRST": False, "stride_xc": 1}
     pointers = {"x_ptr": _PTR[variant.in_dtype], "out_ptr": _PTR[variant.out_dtype], "scale_ptr": "*fp32", "amax_ptr": "*fp32"}
     signature = _signature(quantize_kernel, pointers, constexprs)
     kernel = _compile(quantize_kernel, signature, constexprs, arch, 4, 1, aligned=("C", "stride_xr", "stride_or"))
@@ -313,9 +305,9 @@ def coverage_variants() -> list:
     quantizers = [
         QuantizeVariant(torch.bfloat16, fmt, block, amax_given=not block)
         for fmt in (e4, e5)
-        for block in ((), (1, 0), (1, 128), (128, 128))
+        for block in ((), (1, 0), (0, 1), (1, 128), (128, 128), (128, 1))
     ]
-    quantizers += [QuantizeVariant(torch.float32, e4, block, scale_given=True) for block in ((), (1, 0), (1, 128))]
+    quantizers += [QuantizeVariant(torch.float32, e4, block, scale_given=True) for block in ((), (1, 0), (1, 128), (128, 1))]
     return gemms + quantizers
 
 

@@ -466,6 +466,22 @@ def _load_tile(x_ptr, rr, cc, r_end, c_end, stride_xr, stride_xc):
 
 
 @triton.jit
+def _block_abs_max(x, BLOCKS_R: tl.constexpr, BLOCKS_C: tl.constexpr):
+    """max |x| per scale block of a tile, [BLOCKS_R, BLOCKS_C]: a side of 1 is folded (the block spans the tile's
+    rows or columns), a side of the tile's size is not (each row or column is a block). NaN where a block holds a
+    NaN, as `_abs_max`."""
+    a = tl.abs(x)
+    nan = (x != x).to(tl.int32)  # noqa: PLR0124 - x != x: NaN
+    if BLOCKS_R == 1:
+        a = tl.max(a, axis=0, keep_dims=True)
+        nan = tl.max(nan, axis=0, keep_dims=True)
+    if BLOCKS_C == 1:
+        a = tl.max(a, axis=1, keep_dims=True)
+        nan = tl.max(nan, axis=1, keep_dims=True)
+    return tl.where(nan > 0, float("nan"), a)
+
+
+@triton.jit
 def quantize_kernel(
     x_ptr,
     out_ptr,
@@ -490,34 +506,45 @@ def quantize_kernel(
     MIN_EXPONENT: tl.constexpr,
     TILE_R: tl.constexpr,
     TILE_C: tl.constexpr,
+    BLOCKS_R: tl.constexpr,
+    BLOCKS_C: tl.constexpr,
     COLUMNS_FIRST: tl.constexpr,
 ):
-    """Saturating FP8 quantization of a 2-D tensor, one program per scale block (or a cast with
-    given scales, SCALE_GIVEN).
+    """Saturating FP8 quantization of a 2-D tensor, one program per BLOCKS_R x BLOCKS_C scale blocks
+    (or a cast with given scales, SCALE_GIVEN).
 
-    The block is ROW_BLOCK x COL_BLOCK elements (0: the whole dimension, i.e. one program covers
-    it). Pass 1 takes the block's amax (skipped when AMAX_GIVEN: a tensorwise amax computed
+    A block is ROW_BLOCK x COL_BLOCK elements (0: the whole dimension). A program covers one block,
+    or, where a block side is 1, a tile's worth of blocks (`QuantizeVariant.blocking`): BLOCKS_R =
+    TILE_R rows each with its own scale(s), or BLOCKS_C = TILE_C columns, so that rowwise and
+    per-column scales run no single-row or single-column programs. It walks its part in TILE_R x
+    TILE_C tiles: pass 1 takes the blocks' amax (skipped when AMAX_GIVEN: a tensorwise amax computed
     beforehand by `amax_kernel` or by the producing GEMM's epilogue), pass 2 casts and stores; the
     output strides may transpose (the column-major copies backward GEMMs want). Each program
-    stores its block's scale; a tensorwise quantization runs many programs over one given amax,
+    stores its blocks' scales; a tensorwise quantization runs many programs over one given amax,
     all storing the same scale (scale strides 0)."""
     pid_r, pid_c = _block_ids(COLUMNS_FIRST)
-    r_start = pid_r * ROW_BLOCK
-    c_start = pid_c * COL_BLOCK
-    r_end = R if ROW_BLOCK == 0 else tl.minimum(r_start + ROW_BLOCK, R)
-    c_end = C if COL_BLOCK == 0 else tl.minimum(c_start + COL_BLOCK, C)
+    r_start = pid_r * (BLOCKS_R * ROW_BLOCK)
+    c_start = pid_c * (BLOCKS_C * COL_BLOCK)
+    r_end = R if ROW_BLOCK == 0 else tl.minimum(r_start + BLOCKS_R * ROW_BLOCK, R)
+    c_end = C if COL_BLOCK == 0 else tl.minimum(c_start + BLOCKS_C * COL_BLOCK, C)
     offs_r = tl.arange(0, TILE_R)
     offs_c = tl.arange(0, TILE_C)
-    if SCALE_GIVEN:  # cast only: the scale was computed beforehand (the graph's amax_to_scale, or state)
-        scale = tl.load(scale_ptr + pid_r * stride_sr + pid_c * stride_sc)
+    # This program's [BLOCKS_R, BLOCKS_C] scales. Only per-row (per-column) ones can lie past the edge; masking
+    # by R and C suits every block, whose index never exceeds its first row's (column's).
+    s_r = pid_r * BLOCKS_R + tl.arange(0, BLOCKS_R)[:, None]
+    s_c = pid_c * BLOCKS_C + tl.arange(0, BLOCKS_C)[None, :]
+    s_ptrs = scale_ptr + s_r * stride_sr + s_c * stride_sc
+    s_mask = (s_r < R) & (s_c < C)
+    if SCALE_GIVEN:  # cast only: the scales were computed beforehand (the graph's amax_to_scale, or state)
+        scale = tl.load(s_ptrs, mask=s_mask, other=1.0)
     elif AMAX_GIVEN:
         scale = _amax_to_scale(tl.load(amax_ptr), FP8_MAX, MARGIN_FACTOR, POWER_OF_TWO)
     else:
-        amax = 0.0
+        amax = tl.zeros([BLOCKS_R, BLOCKS_C], tl.float32)
         for r0 in range(r_start, r_end, TILE_R):
             for c0 in range(c_start, c_end, TILE_C):
                 x, rr, cc, m = _load_tile(x_ptr, r0 + offs_r, c0 + offs_c, r_end, c_end, stride_xr, stride_xc)
-                amax = tl.maximum(amax, _abs_max(x), propagate_nan=tl.PropagateNan.ALL)
+                amax = tl.maximum(amax, _block_abs_max(x, BLOCKS_R, BLOCKS_C), propagate_nan=tl.PropagateNan.ALL)
         scale = _amax_to_scale(amax, FP8_MAX, MARGIN_FACTOR, POWER_OF_TWO)
     for r0 in range(r_start, r_end, TILE_R):
         for c0 in range(c_start, c_end, TILE_C):
@@ -525,4 +552,4 @@ def quantize_kernel(
             q = _to_fp8(x * scale, FP8_MAX, MANTISSA_BITS, MIN_EXPONENT)
             tl.store(out_ptr + rr[:, None] * stride_or + cc[None, :] * stride_oc, q.to(out_ptr.dtype.element_ty), mask=m)
     if not SCALE_GIVEN:
-        tl.store(scale_ptr + pid_r * stride_sr + pid_c * stride_sc, scale)
+        tl.store(s_ptrs, scale, mask=s_mask)

@@ -123,15 +123,31 @@ class QuantizeVariant:
     amax_given: bool = False
     scale_given: bool = False  # a cast with scales computed beforehand
 
-    def blocking(self) -> tuple[int, int, int, int]:
-        """(ROW_BLOCK, COL_BLOCK, TILE_R, TILE_C) of the launch: one program per scale block, each
-        walking it in tiles; tensorwise runs 32 x 128 blocks that share one scale."""
+    def blocking(self) -> dict[str, int]:
+        """The launch's geometry, as `quantize_kernel` constexprs: the ROW_BLOCK x COL_BLOCK scale block
+        (0: the whole dimension), the TILE_R x TILE_C tile a program walks its part in, and the BLOCKS_R x
+        BLOCKS_C blocks each program covers: one, or a tile's worth along a block side of 1 (32 rows of
+        rowwise or 1 x 128 blocks, 128 columns of per-column or 128 x 1 ones), so that no program is a
+        single row or column. Tensorwise runs 32 x 128 blocks that share one scale."""
         b0, b1 = self.block or (32, 128)
 
         def tile(b: int, cap: int) -> int:
-            return 1 if b == 1 else min(1 << (b - 1).bit_length() if b else cap, cap)
+            return min(1 << (b - 1).bit_length(), cap) if b > 1 else cap
 
-        return b0, b1, tile(b0, 32), tile(b1, 128)
+        # Per-column scales take registers beside the tile: 16-row tiles there, as 32 spill on Triton 3.6 (sm_89).
+        tile_r, tile_c = tile(b0, 16 if b1 == 1 else 32), tile(b1, 128)
+        blocks_r, blocks_c = (tile_r if b0 == 1 else 1), (tile_c if b1 == 1 else 1)
+        return {"ROW_BLOCK": b0, "COL_BLOCK": b1, "TILE_R": tile_r, "TILE_C": tile_c, "BLOCKS_R": blocks_r, "BLOCKS_C": blocks_c}
+
+    def programs(self, rows: int, cols: int) -> tuple[int, int]:
+        """Programs along the rows and the columns of a rows x cols tensor, `blocking`'s."""
+        g = self.blocking()
+
+        def count(n: int, block: int, per_program: int) -> int:
+            blocks = -(-n // block) if block else 1
+            return -(-blocks // per_program)
+
+        return count(rows, g["ROW_BLOCK"], g["BLOCKS_R"]), count(cols, g["COL_BLOCK"], g["BLOCKS_C"])
 
     def constexprs(self) -> dict:
         fp8_max, mantissa, min_exp = _FP8_CONSTS[self.out_dtype]

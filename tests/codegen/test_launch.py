@@ -63,11 +63,10 @@ def test_gemm_grids_fit_cuda_limits(m, n):
 def test_quantize_grids_fit_cuda_limits(rows, cols):
     """Rowwise casts of 1M tokens, per-column casts of a 256k vocabulary, 1x128 blocks of both."""
     for variant in QUANTIZERS:
-        b0, b1, tile_r, tile_c = variant.blocking()
-        grid, _ = launch.block_grid(-(-rows // b0) if b0 else 1, -(-cols // b1) if b1 else 1)
+        grid, _ = launch.block_grid(*variant.programs(rows, cols))
         assert all(g <= limit for g, limit in zip(grid, GRID_LIMITS))
         if not variant.block:  # the tensorwise amax pass
-            grid, _ = launch.block_grid(-(-rows // tile_r), -(-cols // tile_c))
+            grid, _ = launch.block_grid(-(-rows // variant.blocking()["TILE_R"]), -(-cols // variant.blocking()["TILE_C"]))
             assert all(g <= limit for g, limit in zip(grid, GRID_LIMITS))
 
 

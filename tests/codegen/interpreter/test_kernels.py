@@ -77,11 +77,26 @@ def test_quantize_given_amax_and_non_finite():
     assert scale.item() == 224.0
     assert q.float().abs().max().item() == 448.0  # values above the given amax saturate
     x[3, 7] = float("nan")
-    for block in ((), (1, 128)):
+    for block in QUANT_BLOCKS:
         q, scale = launch.quantize(x, E4M3, block)
         ref_scale = amax_to_scale(block_amax(x, block), 448.0)
-        assert torch.equal(scale, ref_scale)  # a NaN amax gives scale 1, as the reference
+        # A NaN amax gives its block scale 1, as the reference, and leaves the program's other blocks theirs.
+        assert torch.equal(scale, ref_scale) and (scale == 1).sum() == 1
         # (the NaN element itself is not checked: the interpreter's FP8 conversion loses NaN)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (33, 130), (150, 257)], ids=str)
+def test_quantize_and_cast_at_ragged_edges(shape):
+    """Fewer rows or columns than a program's tile of blocks, partial last tiles and blocks."""
+    x = wide_range(shape, seed=shape[1])
+    for block, transpose in zip(QUANT_BLOCKS, itertools.cycle((False, True))):
+        q, scale = launch.quantize(x, E5M2, block, transpose=transpose)
+        ref_scale = amax_to_scale(block_amax(x, block), torch.finfo(E5M2).max)
+        assert torch.equal(scale, ref_scale)
+        assert torch.equal(q.view(torch.uint8), reference.cast(x, ref_scale, E5M2, list(block)).view(torch.uint8))
+        given = ref_scale * 4  # some values saturate
+        q = launch.cast(x, given, E4M3, block)
+        assert torch.equal(q.view(torch.uint8), reference.cast(x, given, E4M3, list(block)).view(torch.uint8))
 
 
 GEMM_BLOCKS = [((), ()), ((1, 0), (0, 1)), ((1, 128), (128, 128)), ((1, 128), (128, 1)), ((128, 128), (128, 1))]
@@ -260,7 +275,10 @@ def test_backend_runs_the_kernels_it_reports():
             assert sqnr(result, ref) >= 40  # measured: 52-100 dB
 
 
-@pytest.mark.parametrize("dtype,block", [(E4M3, ()), (E5M2, ()), (E4M3, (1, 0)), (E4M3, (1, 128)), (E5M2, (128, 128)), (E4M3, (0, 1))])
+@pytest.mark.parametrize(
+    "dtype,block",
+    [(E4M3, ()), (E5M2, ()), (E4M3, (1, 0)), (E4M3, (1, 128)), (E5M2, (128, 128)), (E4M3, (0, 1)), (E5M2, (128, 1))],
+)
 def test_cast_with_given_scale_is_bit_exact(dtype, block):
     """fp8fx::cast's CUDA kernel: scales from the graph (amax_to_scale or delayed-scaling state)."""
     x = wide_range((40, 144), seed=11) * 3  # a scale below amax-derived: some values saturate

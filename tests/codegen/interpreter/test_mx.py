@@ -146,8 +146,8 @@ def test_mxfp8_training_step_runs_the_block_scaled_kernel(monkeypatch):
         return plan
 
     monkeypatch.setattr(launch, "gemm_plan", recorded)
-    # One program per 32-element scale block in the interpreter's casts: a small Mlp(32, 64) on 40
-    # tokens still has one- and two-block K (32, 64) and a partial block (the tokens, grad_weight's K).
+    # A small Mlp(32, 64) on 40 tokens still has one- and two-block K (32, 64) and a partial block
+    # (the tokens, grad_weight's K).
     results = kernel_and_emulated_steps("mxfp8", monkeypatch, d=32, hidden=64, batch=1)
     assert all(len(report.fp8_ops) == 6 for _, report in results)
     assert families == [MX_FAMILY] * 6

@@ -151,8 +151,7 @@ def test_training_step_with_any_token_count(shape, recipe, layout):
     """fwd + bwd with every FP8 GEMM in the generated kernels (output, grad_input and grad_weight,
     whose K is the token count) equals the same step on the reference kernels."""
     batch, tokens = shape
-    # Blockwise scales 128-wide blocks. The interpreter runs a cast program per row or column of
-    # the weights: a narrow model elsewhere (the token count is what varies here).
+    # Blockwise scales 128-wide blocks: a narrow model elsewhere (the token count is what varies here).
     d = 128 if recipe == "blockwise" else 32
     torch.manual_seed(0)
     model = Mlp(d, 2 * d)
