@@ -19,49 +19,33 @@ from fp8fx.passes.annotation import annotation
 ROOT = Path(__file__).parents[2]
 
 
-# The interpreter's test files in groups of under a minute each, one process per group, so a
-# parallel run (pytest -n) spreads them over its workers: (files, shard). A shard "i/n" runs every
-# n-th test of its one file from the i-th (tests/codegen/interpreter/conftest.py): test_shapes.py's
-# training steps and test_op_layouts.py's Inductor steps take 10-60 s each. Every file of the
-# folder is in a group, and every shard of a split file.
-INTERPRETER_GROUPS: dict[str, tuple[list[str], str | None]] = {
-    "gemm": (["test_kernels.py", "test_activations.py", "test_tma.py"], None),
-    "families": (["test_mx.py", "test_nvfp4.py", "test_grouped.py", "test_grouped_op.py"], None),
-    "shapes-0": (["test_shapes.py"], "0/2"),
-    "shapes-1": (["test_shapes.py"], "1/2"),
-    "layouts-0": (["test_op_layouts.py"], "0/3"),
-    "layouts-1": (["test_op_layouts.py"], "1/3"),
-    "layouts-2": (["test_op_layouts.py"], "2/3"),
+# The interpreter's test files in three groups, one process each, so that a parallel run (pytest -n)
+# spreads them over its workers: a process costs seconds to start. test_op_layouts.py's Inductor steps
+# take most of its group's time. Every file of the folder is in a group.
+INTERPRETER_GROUPS: dict[str, list[str]] = {
+    "gemm": ["test_kernels.py", "test_activations.py", "test_tma.py", "test_shapes.py"],
+    "families": ["test_mx.py", "test_nvfp4.py", "test_grouped.py", "test_grouped_op.py"],
+    "layouts": ["test_op_layouts.py"],
 }
 
 
 def test_interpreter_groups_cover_the_folder():
     files = sorted(p.name for p in (ROOT / "tests" / "codegen" / "interpreter").glob("test_*.py"))
-    shards: dict[str, set[str]] = {}
-    for names, shard in INTERPRETER_GROUPS.values():
-        assert shard is None or len(names) == 1, names  # a shard splits one file
-        for name in names:
-            shards.setdefault(name, set()).add(shard or "0/1")
-    assert sorted(shards) == files
-    for name, parts in shards.items():  # i/n for every i < n, nothing else
-        n = int(next(iter(parts)).split("/")[1])
-        assert parts == {f"{i}/{n}" for i in range(n)}, (name, parts)
+    grouped = [name for names in INTERPRETER_GROUPS.values() for name in names]
+    assert sorted(grouped) == files  # each file once
 
 
 @pytest.mark.parametrize("group", list(INTERPRETER_GROUPS))
 def test_kernels_match_reference_under_the_interpreter(group):
     """tests/codegen/interpreter, in a process started with TRITON_INTERPRET=1 (it must precede the import)."""
-    names, shard = INTERPRETER_GROUPS[group]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "FP8FX_INTERPRETER_SHARD": shard or ""}
-    files = [str(ROOT / "tests" / "codegen" / "interpreter" / f) for f in names]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    files = [str(ROOT / "tests" / "codegen" / "interpreter" / f) for f in INTERPRETER_GROUPS[group]]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:logging", "-p", "no:cacheprovider", "-p", "no:xdist", *files]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     # Skips only where this Triton lacks an interpreter feature (fp8fx.codegen.versions: NVFP4's
     # E4M3 scales before 3.9, tl.dot_scaled before 3.8).
     assert " passed" in run.stdout and ("skipped" not in run.stdout or versions.missing()), run.stdout[-2000:]
-    # A shard runs its share of the file's tests, and no test twice (the others are deselected).
-    assert not shard or " deselected" in run.stdout, run.stdout[-2000:]
 
 
 def model_variants() -> list:
