@@ -24,13 +24,15 @@ GEMMs `_scaled_mm` calls with --cublas, emulated otherwise. The project's target
 `--scheduler triton` (with --cublas) counts the kernels Inductor's Triton scheduler makes of each
 graph, as for a GPU, on CPU tensors: Inductor's Triton backend schedules and fuses them, and the
 count is taken when it would generate their code (a CPU has no Triton driver to build them, so
-nothing runs; the backward graph is compiled by Inductor's C++ backend's forward run first).
+nothing runs). One compile per model: its forward graph, once scheduled, is compiled by Inductor's
+C++ backend, whose run lets the backward graph compile and be scheduled.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import json
 import unittest.mock
@@ -117,12 +119,13 @@ def gpu_realize_rule():
 
 @contextlib.contextmanager
 def scheduled_by_triton(counts: list):
-    """Compile the graphs inside with Inductor's Triton backend on CPU tensors, up to its fused
-    kernels: each graph's passes (counted as the active `MemoryPassCounts` counts, into a fresh one) and
-    generated kernels (each a Triton build and a launch on a GPU) are appended to `counts`, and its
-    compile stops with `_Scheduled`."""
+    """Inside, each graph Inductor compiles is first scheduled by its Triton backend on CPU tensors,
+    up to its fused kernels: the graph's passes (counted as the active `MemoryPassCounts` counts, into
+    a fresh one) and generated kernels (each a Triton build and a launch on a GPU) are appended to
+    `counts`, and that compile stops with `_Scheduled`. A forward graph is then compiled for real by
+    the C++ backend (so that the step runs and its backward compiles); a backward graph is not."""
     import torch.utils._triton as triton_utils
-    from torch._inductor import config
+    from torch._inductor import compile_fx, config
     from torch._inductor.scheduler import Scheduler
 
     from fp8fx.compiler import lowering, memory_passes
@@ -135,10 +138,33 @@ def scheduled_by_triton(counts: list):
         counts.append((sum(graph.counts.values()), sum(not n.is_extern() for n in scheduler.nodes)))
         raise _Scheduled
 
-    # The backend hash names the driver (none on a CPU); no kernel is built, so any name does. A GEMM
-    # not given to cuBLAS stays whole, as a GPU's generated kernel, not the CPU's emulation.
-    with config.patch(cpu_backend="triton"), unittest.mock.patch.object(triton_utils, "triton_hash_with_backend", lambda: "cpu"), \
-            unittest.mock.patch.object(Scheduler, "codegen", stop), gpu_realize_rule(), \
+    @contextlib.contextmanager
+    def triton():
+        # The backend hash names the driver (none on a CPU); no kernel is built, so any name does.
+        with config.patch(cpu_backend="triton"), unittest.mock.patch.object(Scheduler, "codegen", stop), gpu_realize_rule(), \
+                unittest.mock.patch.object(triton_utils, "triton_hash_with_backend", lambda: "cpu"):  # fmt: skip
+            yield
+
+    real_compile = compile_fx._compile_fx_inner
+
+    # One hook for fp8fx's `compile_partitioned` and plain torch.compile alike: `compile_fx` binds `compile_fx_inner` as
+    # a default argument (a patch of it would miss torch.compile), and `compile_fx_inner` looks `_compile_fx_inner` up
+    # when called, handing it the graph it got.
+    def schedule_then_compile(gm, example_inputs, **kwargs):
+        if kwargs.get("is_backward"):
+            with triton():
+                return real_compile(gm, example_inputs, **kwargs)
+        try:
+            with triton():  # on a copy: Inductor's post-grad passes change the graph they compile
+                real_compile(copy.deepcopy(gm), example_inputs, **kwargs)
+        except Exception as e:  # Inductor wraps it
+            if not _scheduled(e):
+                raise
+        return real_compile(gm, example_inputs, **kwargs)
+
+    # A GEMM not given to cuBLAS stays whole, as a GPU's generated kernel, not the CPU's emulation (in the
+    # forward graph the C++ backend compiles too: it is the graph counted).
+    with unittest.mock.patch.object(compile_fx, "_compile_fx_inner", schedule_then_compile), \
             unittest.mock.patch.object(lowering, "_emulated", lambda a, b, gpu_kernel="scaled_mm": False):  # fmt: skip
         yield
 
@@ -151,38 +177,39 @@ def cublas_devices(args) -> tuple[str, ...]:
 def count_triton_scheduled(recipe: str, args) -> dict:
     """The passes and kernels (forward, backward) of one training step's graphs, as Inductor's
     Triton backend fuses them (`scheduled_by_triton`): fp8fx's graphs with their cuBLAS GEMMs as
-    `_scaled_mm`, or torchao's (`torchao-<recipe>`)."""
+    `_scaled_mm`, or torchao's (`torchao-<recipe>`). One compile: the forward graph is scheduled,
+    then compiled by the C++ backend and run; the backward graph is scheduled."""
     counts = []
-    for graph in ("forward", "backward"):
-        torchao = recipe.startswith("torchao-")
+    torchao = recipe.startswith("torchao-")
+    if torchao:
+        model, ids = torchao_llama(recipe.removeprefix("torchao-"), args)
+        compiled = torch.compile(model)
+    else:
+        model, ids = llama(args)
+        backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor", cublas_devices=cublas_devices(args))
+        compiled = torch.compile(model, backend=backend)
+    with contextlib.ExitStack() as stack:
         if torchao:
-            model, ids = torchao_llama(recipe.removeprefix("torchao-"), args)
-            compiled, torchao_counts = torch.compile(model), MemoryPassCounts(charge=torchao_charge)
-        else:
-            model, ids = llama(args)
-            policy = fp8fx.Policy.from_recipe(recipe)
-            backend = fp8fx.backend(policy=policy, inner="inductor", cublas_devices=cublas_devices(args))
-            compiled = torch.compile(model, backend=backend)
-        with contextlib.ExitStack() as stack:
-            if torchao:
-                stack.enter_context(counting(torchao_counts, "forward", operand_numel(model, args) // 4))
-            loss = compiled(input_ids=ids, labels=ids).loss if graph == "backward" else None
-            try:
-                with scheduled_by_triton(counts):
-                    loss.backward() if loss is not None else compiled(input_ids=ids, labels=ids)
-            except Exception as e:  # Dynamo and Inductor wrap it
-                if not any(isinstance(c, _Scheduled) for c in _causes(e)):
-                    raise
-        assert len(counts) == 1 + (graph == "backward"), f"{recipe}: one {graph} graph expected, {len(counts)} scheduled"
+            stack.enter_context(counting(MemoryPassCounts(charge=torchao_charge), "forward", operand_numel(model, args) // 4))
+        stack.enter_context(scheduled_by_triton(counts))
+        loss = compiled(input_ids=ids, labels=ids).loss
+        assert len(counts) == 1, f"{recipe}: one forward graph expected, {len(counts)} scheduled"
+        try:
+            loss.backward()
+        except Exception as e:  # Dynamo and Inductor wrap it
+            if not _scheduled(e):
+                raise
+    assert len(counts) == 2, f"{recipe}: one backward graph expected, {len(counts) - 1} scheduled"
     gemms = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     return {"recipe": recipe, "fp8_gemms": 3 * gemms, "fp8fx_ops_called": None, "memory_passes_added": sum(p for p, _ in counts),
             "transposed_copies": 0, "memory_passes_one_by_one": None, "kernels": [k for _, k in counts]}  # fmt: skip
 
 
-def _causes(e: BaseException):
-    while e is not None:
-        yield e
+def _scheduled(e: BaseException | None) -> bool:
+    """Whether `e` is `_Scheduled`, or was raised while handling it."""
+    while e is not None and not isinstance(e, _Scheduled):
         e = e.__cause__ or e.__context__
+    return e is not None
 
 
 def count(recipe: str, args) -> dict:
