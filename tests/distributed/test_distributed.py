@@ -5,7 +5,12 @@ The single-process reference scales its whole-batch mean loss by the number of r
 gradients, and the grad_output scales, are those each rank sees) and steps SGD at lr / 2 (so its
 update is the ranks' averaged one). Recipes whose scales do not depend on how the batch is split (rowwise with
 high-precision grad_weight: per-token and per-channel scales) and delayed scaling with its amaxes
-reduced across the ranks then give the same training up to reduction order."""
+reduced across the ranks then give the same training up to reduction order.
+
+Every job the ranks run (DDP and FSDP2 training, the tensor-parallel refusal, FP8 all-gather, the
+precision levels) shares one spawn of the 2 ranks for the module: each spawn starts 2 processes that
+import torch and fp8fx (several CPU-seconds each) and set up a gloo group, paid once instead of once per
+test or fixture. The ranks run the jobs in turn and save each one's results, or its traceback, for the tests."""
 
 from __future__ import annotations
 
@@ -13,6 +18,9 @@ import dataclasses
 import os
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -128,34 +136,69 @@ def distributed_case(engine: str, name: str, recipe: str, how: str, rank: int) -
     return results(model, train(model, run, rank, WORLD, LR))
 
 
-def worker(rank: int, engine: str, store: str, out: str) -> None:
+def jobs() -> dict[str, Callable[[int], dict]]:
+    """What the ranks run, in this order: name -> job(rank)."""
+    return (
+        {f"{engine}-{'-'.join(case)}": partial(distributed_case, engine, *case) for engine in ("ddp", "fsdp") for case in CASES}
+        | {"tp": tp_case}
+        | {f"ag-{fp8}": partial(fp8_all_gather_case, fp8) for fp8 in (False, True)}
+        | {f"{engine}-{level}": partial(level_case, engine, level) for engine, level in LEVEL_CASES}
+    )
+
+
+def worker(rank: int, store: str, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
-        for case in CASES:
+        for name, job in jobs().items():
             torch._dynamo.reset()
-            torch.save(distributed_case(engine, *case, rank), Path(out) / f"{'-'.join(case)}-{rank}.pt")
+            try:
+                got = job(rank)
+            except Exception:  # noqa: BLE001 - a failing job fails the tests that read it, not the jobs after it
+                got = {"traceback": traceback.format_exc()}
+            torch.save(got, Path(out) / f"{name}-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def spawn(engine: str, out: Path) -> None:
+def spawn(out: Path) -> None:
     store = tempfile.mktemp(dir=out)
-    context = mp.start_processes(worker, args=(engine, store, str(out)), nprocs=WORLD, join=False, start_method="spawn")
+    context = mp.start_processes(worker, args=(store, str(out)), nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     while not context.join(timeout=5):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            pytest.fail(f"{engine}: the {WORLD} ranks did not finish in {TIMEOUT_S} s")
+            pytest.fail(f"the {WORLD} ranks did not finish in {TIMEOUT_S} s: {progress(out)}")
+
+
+def progress(out: Path) -> str:
+    """The jobs' files (name-rank) not written yet, and the tracebacks saved so far: a job that
+    raised on one rank leaves the other waiting in a collective."""
+    files = [out / f"{name}-{r}.pt" for name in jobs() for r in range(WORLD)]
+    raised = [f"\n{f.stem}: {got['traceback']}" for f in files if f.exists() and "traceback" in (got := torch.load(f))]
+    return f"no results for {', '.join(f.stem for f in files if not f.exists())}" + "".join(raised)
+
+
+def result(out: Path, job: str, rank: int) -> dict:
+    """One rank's results of `job`; a job that raised fails the test with its traceback."""
+    got = torch.load(out / f"{job}-{rank}.pt")
+    if "traceback" in got:
+        pytest.fail(f"{job} raised on rank {rank}:\n{got['traceback']}", pytrace=False)
+    return got
+
+
+@pytest.fixture(scope="module")
+def rank_jobs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ranks")
+    spawn(out)
+    return out
 
 
 @pytest.fixture(scope="module", params=["ddp", "fsdp"])
-def engine_run(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(request.param)
-    spawn(request.param, out)
-    return request.param, out
+def engine_run(request, rank_jobs):
+    return request.param, rank_jobs
 
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
@@ -163,7 +206,7 @@ def test_two_ranks_train_like_one_process(engine_run, case):
     engine, out = engine_run
     torch._dynamo.reset()
     expected = reference(engine, *case[:2])
-    ranks = [torch.load(out / f"{'-'.join(case)}-{r}.pt") for r in range(WORLD)]
+    ranks = [result(out, f"{engine}-{'-'.join(case)}", r) for r in range(WORLD)]
     # the ranks' half-batch losses add up to the reference's scaled whole-batch loss
     assert sum(r["losses"][0] for r in ranks) == pytest.approx(expected["losses"][0], rel=1e-5)
     for got in ranks:
@@ -179,31 +222,24 @@ def test_two_ranks_train_like_one_process(engine_run, case):
             assert torch.equal(v, ranks[0]["scales"][k]) and torch.allclose(v, expected["scales"][k], rtol=1e-4), k
 
 
-def test_dtensor_inputs_are_refused_with_the_reason(tmp_path):
+def test_dtensor_inputs_are_refused_with_the_reason(rank_jobs):
     """Tensor parallelism hands the graph DTensors: refused, naming the placements."""
-    spawn_tp = mp.start_processes(tp_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True, start_method="spawn")
-    del spawn_tp
-    message = (tmp_path / "tp-0.txt").read_text()
+    message = result(rank_jobs, "tp", 0)["message"]
     assert "tensor and sequence parallelism are not supported" in message and "Shard(dim=0)" in message
 
 
-def tp_worker(rank: int, store: str, out: str) -> None:
+def tp_case(rank: int) -> dict:
+    """A column-parallel linear on a mesh over the default group (the one every job uses)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = parallelize_module(torch.nn.Sequential(torch.nn.Linear(32, 32)), mesh, {"0": ColwiseParallel()})
     try:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        model = parallelize_module(torch.nn.Sequential(torch.nn.Linear(32, 32)), mesh, {"0": ColwiseParallel()})
-        try:
-            torch.compile(model, backend=fp8fx.backend(inner="eager"))(torch.randn(4, 32))
-            message = "compiled"
-        except Exception as e:  # noqa: BLE001 - the test reads the message
-            message = str(e)
-        Path(out, f"tp-{rank}.txt").write_text(message)
-    finally:
-        dist.destroy_process_group()
+        torch.compile(model, backend=fp8fx.backend(inner="eager"))(torch.randn(4, 32))
+        return {"message": "compiled"}
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return {"message": str(e)}
 
 
 # FP8 all-gather of weights under FSDP2: the same training as FSDP2's own all-gather, 1 byte per
@@ -222,7 +258,7 @@ class CountingAllGather(DefaultAllGather):
         return super().__call__(output_tensor, input_tensor, group, async_op)
 
 
-def fp8_all_gather_case(rank: int, fp8: bool) -> dict:
+def fp8_all_gather_case(fp8: bool, rank: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
@@ -240,17 +276,6 @@ def fp8_all_gather_case(rank: int, fp8: bool) -> dict:
     return out | {"log": log, "decisions": [(d.name, d.fp8, d.reason) for d in decisions]}
 
 
-def fp8_all_gather_worker(rank: int, store: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    try:
-        for fp8 in (False, True):
-            torch._dynamo.reset()
-            torch.save(fp8_all_gather_case(rank, fp8), Path(out) / f"ag-{fp8}-{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
 def expected_bytes(unit: str, fp8_weights: set[str]) -> int:
     """What one rank sends per all-gather of `unit`: its half of every parameter the unit
     owns directly, 1 byte per element of an FP8-gathered weight, 4 (fp32) otherwise."""
@@ -261,10 +286,9 @@ def expected_bytes(unit: str, fp8_weights: set[str]) -> int:
     return sum(p.numel() // WORLD * (1 if n.removesuffix(".weight") in fp8_weights else 4) for n, p in owned)
 
 
-def test_fsdp2_fp8_all_gather_trains_identically_with_a_quarter_of_the_weight_bytes(tmp_path):
-    mp.start_processes(fp8_all_gather_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True, start_method="spawn")
-    base = [torch.load(tmp_path / f"ag-False-{r}.pt") for r in range(WORLD)]
-    fp8 = [torch.load(tmp_path / f"ag-True-{r}.pt") for r in range(WORLD)]
+def test_fsdp2_fp8_all_gather_trains_identically_with_a_quarter_of_the_weight_bytes(rank_jobs):
+    base = [result(rank_jobs, "ag-False", r) for r in range(WORLD)]
+    fp8 = [result(rank_jobs, "ag-True", r) for r in range(WORLD)]
     decisions = {name: (gathered, reason) for name, gathered, reason in fp8[0]["decisions"]}
     fp8_weights = {name for name, (gathered, _) in decisions.items() if gathered}
     # every linear got a decision: the blocks' four in FP8, lm_head kept high by the policy's rule
@@ -357,7 +381,7 @@ class CountingReduceScatter(DefaultReduceScatter):
         return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 
-def level_case(rank: int, engine: str, level: str | None) -> dict:
+def level_case(engine: str, level: str | None, rank: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
@@ -409,27 +433,15 @@ def counting_allreduce(log: list, bucket):  # noqa: ANN001, ANN201 - DDP's comm 
     return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
-def level_worker(rank: int, store: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    try:
-        for engine, level in LEVEL_CASES:
-            torch._dynamo.reset()
-            torch.save(level_case(rank, engine, level), Path(out) / f"{engine}-{level}-{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
-def level_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("levels")
-    mp.start_processes(level_worker, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True, start_method="spawn")
-    return {(engine, level): torch.load(out / f"{engine}-{level}-0.pt") for engine, level in LEVEL_CASES}
+def level_runs(rank_jobs):
+    """(engine, level) -> rank 0's results, read when a test asks: a level that raised fails only its tests."""
+    return lambda engine, level: result(rank_jobs, f"{engine}-{level}", 0)
 
 
 @pytest.mark.parametrize("engine", ["fsdp", "ddp"])
 def test_fp8_gradient_reduction_is_close_to_fp32_with_a_quarter_of_the_bytes(level_runs, engine):
-    ours, base = level_runs[(engine, "fp8-grads")], level_runs[(engine, None)]
+    ours, base = level_runs(engine, "fp8-grads"), level_runs(engine, None)
     # E4M3 in 256-element blocks: one quantization for FSDP2's reduce-scatter, two for DDP's
     # all-reduce (each rank's reduced half is gathered in FP8 again)
     floor = 28.0 if engine == "fsdp" else 25.0
@@ -444,7 +456,7 @@ def test_fp8_gradient_reduction_is_close_to_fp32_with_a_quarter_of_the_bytes(lev
 
 @pytest.mark.parametrize("engine, level", [c for c in LEVEL_CASES if c[1] not in (None, "fp8-grads")], ids=lambda v: str(v))
 def test_precision_level_trains_like_fp32(level_runs, engine, level):
-    ours, base, fp8_grads = level_runs[(engine, level)], level_runs[(engine, None)], level_runs[(engine, "fp8-grads")]
+    ours, base, fp8_grads = level_runs(engine, level), level_runs(engine, None), level_runs(engine, "fp8-grads")
     # FP16 compute (FSDP2's O1-O3), FP8/FP16 moments (O2) and FP16 masters (O3) on top of the FP8 gradients
     assert ours["losses"] == pytest.approx(base["losses"], rel=5e-3)
     assert ours["sent"] == fp8_grads["sent"]
