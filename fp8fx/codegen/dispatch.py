@@ -1,12 +1,13 @@
 """Which kernel runs each FP8 GEMM on a GPU (the implementations that run it: `fp8fx.ops.cuda`).
 
 `choose_kernel` decides once per GEMM, when the graph is rewritten, and the report shows the choice
-and its reason. Until a GPU has measured fp8fx's kernels, `kernels="auto"` cannot lose to cuBLAS by
-design: a GEMM whose fused epilogue saves no memory pass runs `torch._scaled_mm`, and the generated
-kernel runs only where fusion saves passes. A measured table (written by `fp8fx selftest` on the
-GPU, one JSON file per device) overrides that from the nearest measured shape of the same variant.
-Without Triton every GEMM runs `torch._scaled_mm`; `scaled_mm_supports` says what PyTorch's
-scaled-mm kernels can run at all.
+and its reason. Where no measurement applies, `kernels="auto"` cannot lose to cuBLAS by design: a
+GEMM whose fused epilogue saves no memory pass runs `torch._scaled_mm`, and the generated kernel
+runs only where fusion saves passes. On a GPU the measurements decide instead, from the measured
+shape of the same variant nearest to the GEMM's: the table `fp8fx selftest` wrote for the GPU
+model, and the GEMMs measured at the first compile that met them (`fp8fx.codegen.autotune`, whose
+`Tables` the caller passes in as `tables`). Without Triton every GEMM runs `torch._scaled_mm`;
+`scaled_mm_supports` says what PyTorch's scaled-mm kernels can run at all.
 
 Under Inductor, which fuses elementwise code into its own kernels, an epilogue costs almost nothing
 outside the GEMM: `epilogue_to_inductor` leaves it there unless the table shows the generated
@@ -15,13 +16,13 @@ kernel with the epilogue beating cuBLAS's bare GEMM. This module imports no Trit
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -60,18 +61,39 @@ def scaled_mm_supports(variant: GemmVariant) -> str:
     return f"scale blocks {block_a} x {block_b}"
 
 
+def cache_dir() -> Path:
+    """Where fp8fx keeps its measurements: `$FP8FX_CACHE_DIR`, default `~/.cache/fp8fx`."""
+    return Path(os.environ.get("FP8FX_CACHE_DIR", Path.home() / ".cache" / "fp8fx"))
+
+
+def device_label(device_name: str) -> str:
+    """A GPU's name as part of a file name ("NVIDIA-H100-80GB-HBM3")."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-")
+
+
 def table_path(device_name: str) -> Path:
     """Where `fp8fx selftest` writes, and the dispatch reads, the measured table of one GPU model:
-    `$FP8FX_CACHE_DIR` (default `~/.cache/fp8fx`)/dispatch-<device name>.json."""
-    root = Path(os.environ.get("FP8FX_CACHE_DIR", Path.home() / ".cache" / "fp8fx"))
-    return root / f"dispatch-{re.sub(r'[^A-Za-z0-9]+', '-', device_name).strip('-')}.json"
+    `cache_dir()`/dispatch-<device name>.json."""
+    return cache_dir() / f"dispatch-{device_label(device_name)}.json"
 
 
 def load_table(path: Path) -> list[dict]:
     """The measured GEMMs of a table file: dicts with variant, m, n, k, generated_ms, scaled_mm_ms
     (scaled_mm_ms includes the epilogue run as separate torch ops). Raises naming the file and the
     first bad entry."""
-    data = json.loads(path.read_text())
+    return table_entries(read_json(path), path)
+
+
+def read_json(path: Path):
+    """The JSON in `path`; ValueError naming the file when it holds none."""
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+
+
+def table_entries(data, path: Path) -> list[dict]:
+    """`data["gemms"]` of a table read from `path`, checked as `load_table` says."""
     if not isinstance(data, dict) or data.get("format") != TABLE_FORMAT or not isinstance(data.get("gemms"), list):
         raise ValueError(f"{path}: not an fp8fx dispatch table (format {TABLE_FORMAT} with a 'gemms' list)")
     for i, e in enumerate(data["gemms"]):
@@ -85,39 +107,63 @@ def load_table(path: Path) -> list[dict]:
     return data["gemms"]
 
 
-@functools.cache
-def _device_table(device_index: int) -> tuple[list[dict], str]:
-    path = table_path(torch.cuda.get_device_name(device_index))
-    return (load_table(path), str(path)) if path.exists() else ([], "")
+class Measurements(Protocol):
+    """The measurements that decide GEMMs on one GPU (`fp8fx.codegen.autotune.Tables`)."""
+
+    def entries(self, variants: list[GemmVariant], shape: tuple, hint: tuple | None = None) -> tuple[list[dict], str]:
+        """Table entries (load_table's dicts; `source` and `compiled_on` say where one was measured)
+        after measuring those of `variants` at `shape` that were missing, and why any was not ("")."""
+        ...
 
 
-def _nearest(table: list[dict], name: str, shape: tuple) -> dict | None:
-    """The measured entry of variant `name` nearest to (m, n, k) in log-distance; None without one.
-    A dynamic M (None) matches on N and K."""
+def log_distance(entry: dict, shape: tuple) -> float:
+    """How far a measured entry lies from (m, n, k): the sum of |log2(entry / shape)| over the
+    sizes known (a dynamic size, None, is left out)."""
+    return sum(abs(math.log2(entry[d] / v)) for d, v in zip("mnk", shape) if isinstance(v, int) and v > 0)
+
+
+def nearest(table: list[dict], name: str, shape: tuple) -> dict | None:
+    """The measured entry of variant `name` nearest to (m, n, k) in log-distance, the first of
+    equally near ones; None without one. A dynamic M (None) matches on N and K."""
     same = [e for e in table if e["variant"] == name]
+    return min(same, key=lambda e: log_distance(e, shape)) if same else None
 
-    def distance(e):
-        return sum(abs(math.log2(e[d] / v)) for d, v in zip("mnk", shape) if isinstance(v, int) and v > 0)
 
-    return min(same, key=distance) if same else None
+def _measured_at(e: dict) -> str:
+    on = f" at first compile on {e['compiled_on']}" if e.get("compiled_on") else ""
+    return f"measured{on} at {e['m']}x{e['n']}x{e['k']}"
+
+
+def _sources(*entries: dict) -> str:
+    """The files the entries were read from, as " (file; file)" after a reason; "" if they do not say."""
+    files = list(dict.fromkeys(e["source"] for e in entries if e.get("source")))
+    return f" ({'; '.join(files)})" if files else ""
 
 
 def measured_choice(table: list[dict], variant: GemmVariant, shape: tuple) -> tuple[str, str] | None:
     """The kernel the measurements favour for `variant` at (m, n, k), from the measured shape of the
     same variant nearest in log-distance; None without one."""
-    e = _nearest(table, variant.name, shape)
+    e = nearest(table, variant.name, shape)
     if e is None:
         return None
-    where = (
-        f"measured at {e['m']}x{e['n']}x{e['k']}: generated {e['generated_ms']:.3g} ms, torch._scaled_mm "
-        f"{e['scaled_mm_ms']:.3g} ms"
-    )
+    where = f"{_measured_at(e)}: generated {e['generated_ms']:.3g} ms, torch._scaled_mm {e['scaled_mm_ms']:.3g} ms{_sources(e)}"
     return ("triton", where) if e["generated_ms"] <= e["scaled_mm_ms"] else ("scaled_mm", where)
 
 
-def choose_kernel(kernels: str, variant: GemmVariant, shape: tuple, device: torch.device) -> tuple[str, str]:
+def _noted(reason: str, note: str) -> str:
+    return f"{reason}; {note}" if note else reason
+
+
+def choose_kernel(
+    kernels: str, variant: GemmVariant, shape: tuple, tables: Measurements | None = None, hint: tuple | None = None
+) -> tuple[str, str]:
     """(kernel, reason): "triton" (the generated kernel) or "scaled_mm" (`torch._scaled_mm`, then the
-    epilogue as torch ops) for one FP8 GEMM of `shape` (m, n, k; m may be None when dynamic)."""
+    epilogue as torch ops) for one FP8 GEMM of `shape` (m, n, k; a size may be None when dynamic).
+
+    Args:
+        tables: the measurements of the GPU that runs the GEMM; None off a GPU (none applies).
+        hint: the graph's size hints for `shape`, where a dynamic size is measured.
+    """
     if kernels == "scaled_mm":
         if variant.mx and triton_available():  # (fp8fx.ops.cuda runs it there too: not a refusal)
             return "triton", f"torch._scaled_mm cannot: {scaled_mm_supports(variant)} (kernels='scaled_mm' asked for it)"
@@ -129,15 +175,16 @@ def choose_kernel(kernels: str, variant: GemmVariant, shape: tuple, device: torc
     unsupported = scaled_mm_supports(variant)
     if unsupported:
         return "triton", f"torch._scaled_mm cannot: {unsupported}"
-    if device.type == "cuda":
-        table, path = _device_table(device.index if device.index is not None else torch.cuda.current_device())
+    note = ""
+    if tables is not None:
+        table, note = tables.entries([variant], shape, hint)
         measured = measured_choice(table, variant, shape)
         if measured is not None:
-            return measured[0], f"{measured[1]} ({path})"
+            return measured[0], _noted(measured[1], note)
     saved = variant.epilogue.ops() + variant.epilogue.out_amax
     if saved == 0:
-        return "scaled_mm", "no epilogue to fuse: cuBLAS's GEMM until a measurement favours the generated kernel"
-    return "triton", f"fused epilogue saves {saved} memory pass{'es' if saved > 1 else ''}"
+        return "scaled_mm", _noted("no epilogue to fuse: cuBLAS's GEMM until a measurement favours the generated kernel", note)
+    return "triton", _noted(f"fused epilogue saves {saved} memory pass{'es' if saved > 1 else ''}", note)
 
 
 # Why Inductor gets the epilogue when no table says otherwise: on a Llama-3-8B-shaped step, the
@@ -158,10 +205,12 @@ def bare_variant(variant: GemmVariant) -> GemmVariant:
     return replace(variant, epilogue=PLAIN, out_dtype=wide, aux_dtype=wide)
 
 
-def epilogue_to_inductor(kernels: str, variant: GemmVariant, shape: tuple, device: torch.device) -> str:
+def epilogue_to_inductor(
+    kernels: str, variant: GemmVariant, shape: tuple, tables: Measurements | None = None, hint: tuple | None = None
+) -> str:
     """Why a graph that Inductor compiles should run `variant`'s epilogue (bias, activation, product,
     residual, amax, FP8 output) as its own code after a bare GEMM, rather than in the generated
-    kernel ("" when the kernel should fuse it)."""
+    kernel ("" when the kernel should fuse it). `tables` and `hint` as for `choose_kernel`."""
     if bare_variant(variant) == variant or kernels == "triton":
         return ""
     if scaled_mm_supports(variant):
@@ -170,25 +219,27 @@ def epilogue_to_inductor(kernels: str, variant: GemmVariant, shape: tuple, devic
         return "backend option kernels='scaled_mm': cuBLAS's bare GEMM, the epilogue fused by Inductor"
     if not triton_available():
         return "Triton is not installed: cuBLAS's bare GEMM, the epilogue fused by Inductor"
-    if device.type == "cuda":
-        table, path = _device_table(device.index if device.index is not None else torch.cuda.current_device())
+    note = ""
+    if tables is not None:
+        table, note = tables.entries([variant, bare_variant(variant)], shape, hint)
         measured = measured_fusion(table, variant, shape)
         if measured is not None:
             fuse, where = measured
-            return "" if fuse else f"Inductor fuses the epilogue: {where} ({path})"
-    return UNMEASURED_TO_INDUCTOR
+            return "" if fuse else _noted(f"Inductor fuses the epilogue: {where}", note)
+    return _noted(UNMEASURED_TO_INDUCTOR, note)
 
 
 def measured_fusion(table: list[dict], variant: GemmVariant, shape: tuple) -> tuple[bool, str] | None:
     """Whether the measurements favour the generated kernel with `variant`'s epilogue over cuBLAS's
     bare GEMM (the same variant without epilogue, run by `torch._scaled_mm`), each at its measured
     shape nearest to (m, n, k); None without both."""
-    fused, plain = _nearest(table, variant.name, shape), _nearest(table, bare_variant(variant).name, shape)
+    fused, plain = nearest(table, variant.name, shape), nearest(table, bare_variant(variant).name, shape)
     if fused is None or plain is None:
         return None
+    on = next((f"measured at first compile on {e['compiled_on']}: " for e in (fused, plain) if e.get("compiled_on")), "")
     where = (
-        f"generated kernel with the epilogue {fused['generated_ms']:.3g} ms at {fused['m']}x{fused['n']}x{fused['k']}, "
-        f"cuBLAS's bare GEMM {plain['scaled_mm_ms']:.3g} ms at {plain['m']}x{plain['n']}x{plain['k']}"
+        f"{on}generated kernel with the epilogue {fused['generated_ms']:.3g} ms at {fused['m']}x{fused['n']}x{fused['k']}, "
+        f"cuBLAS's bare GEMM {plain['scaled_mm_ms']:.3g} ms at {plain['m']}x{plain['n']}x{plain['k']}{_sources(fused, plain)}"
     )
     return fused["generated_ms"] <= plain["scaled_mm_ms"], where
 

@@ -245,12 +245,15 @@ class Fp8fxBackend:
         when its graphs call back into this process (monitor, shadow checks, numerics probes)."""
         if self.monitor is not None or self.shadow is not None or self.numerics is not None:
             return None
-        # Kernel choices also depend on whether Triton imports here and on the GPUs' measured tables.
+        # Kernel choices also depend on whether Triton imports here and on the GPUs' measured tables
+        # (selftest's, and those measured at compile: a compile that changes them is not cached,
+        # see _InductorJointHook.uuid).
         o = self.options
         options = {
             "policy": o.policy.to_dict(),
             "fuse_epilogues": o.fuse_epilogues,
             "kernels": o.kernels,
+            "measure_gemms": o.measure_gemms,
             "saved_outputs": o.saved_outputs,
             "weight_fp8": o.weight_fp8,
             "cublas_devices": list(o.cublas_devices),  # what the lowering after partitioning gives cuBLAS
@@ -412,9 +415,12 @@ class Fp8fxBackend:
         passes = MemoryPassCounts()
         with cache.kept_whole(KEPT_WHOLE) as decompositions:
             ctx = StageContext(options=self.options, rewrite=rewrite, kept_whole=decompositions, memory_pass_counts=passes)
-            with inductor_config.patch(joint_custom_pre_pass=_InductorJointHook(ctx)):
+            hook = _InductorJointHook(ctx, key)
+            with inductor_config.patch(joint_custom_pre_pass=hook):
                 compiled = compile_fx(gm, example_inputs, inner_compile=functools.partial(compile_partitioned, ctx=ctx))
         made = self.graphs[first:]
+        if made and hook.refused:  # Inductor cached nothing of this compile: no records either
+            records_key = None
         for g in made:  # (a backward Inductor compiles later is counted when it does: the report reads the counts)
             g.memory_pass_counts = passes
         if records_key is not None and made:
@@ -469,17 +475,26 @@ class _Rewrite:
 
 
 class _InductorJointHook(CustomGraphPass):
-    """Inductor's joint-graph pre-pass: the `JOINT` stage (`fp8fx.compiler.pipeline`), in place."""
+    """Inductor's joint-graph pre-pass: the `JOINT` stage (`fp8fx.compiler.pipeline`), in place.
+    `key`: the rewrite's key when the compile began (`_Rewrite.pass_key`)."""
 
-    def __init__(self, ctx: StageContext):
-        self.ctx = ctx
-
-    def __call__(self, graph: fx.Graph) -> None:
-        JOINT(graph.owning_module, self.ctx)
+    def __init__(self, ctx: StageContext, key: str | None):
+        self.ctx, self.key = ctx, key
+        self.refused = False  # a key was refused: the tables changed during the compile
 
     def uuid(self) -> str | None:
         # With a key, a cached compile skips the pass; the backend then reads its records back.
-        return self.ctx.rewrite.pass_key()
+        # AOTAutograd's cache asks before the pass runs, the FX graph cache after it. When the
+        # measured tables changed in between (the pass measured GEMMs, or another process wrote),
+        # the choices may follow tables the first key does not name: no key then, so the FX graph
+        # cache bypasses the graphs and AOTAutograd's cache, lacking their keys, stores nothing.
+        if self.key is None or self.ctx.rewrite.pass_key() == self.key:
+            return self.key
+        self.refused = True
+        return None
+
+    def __call__(self, graph: fx.Graph) -> None:
+        JOINT(graph.owning_module, self.ctx)
 
 
 DEFAULT_BACKEND = Fp8fxBackend()  # what `backend="fp8fx"` resolves to (entry point)
@@ -492,10 +507,12 @@ def backend(policy: Policy | str | Path | None = None, **options: Any) -> Fp8fxB
     leaves every GEMM an `fp8fx::scaled_mm` and its neighbours as graph ops. `kernels` picks what
     runs each FP8 GEMM on CUDA (docs/kernels.md, "Which kernel runs each GEMM"): "auto" decides per
     GEMM (`fp8fx.codegen.dispatch`): the faster of the generated kernel with the epilogue and
-    cuBLAS's bare GEMM where this GPU's `fp8fx selftest` table measured both; without a
-    measurement, under Inductor cuBLAS with the epilogue left to Inductor's kernels
-    (`epilogue_to_inductor`), and with inner="eager" the generated kernel where its fused epilogue
-    saves memory passes, cuBLAS otherwise. "triton" always runs the generated kernel, "scaled_mm"
+    cuBLAS's bare GEMM as measured on this GPU model, by `fp8fx selftest` or by the first compile
+    that met the GEMM (`measure_gemms`: the seconds per process that compiles may spend timing
+    GEMMs no measurement covers, cached per GPU model and versions, `fp8fx.codegen.autotune`;
+    0 measures none); without a measurement, under Inductor cuBLAS with the epilogue left to
+    Inductor's kernels (`epilogue_to_inductor`), and with inner="eager" the generated kernel where
+    its fused epilogue saves memory passes, cuBLAS otherwise. "triton" always runs the generated kernel, "scaled_mm"
     cuBLAS (`torch._scaled_mm`) with the epilogue after it. Either way a GEMM only the generated
     kernel can run (MX scale blocks) runs it. CPU tensors run the exact reference, except that
     under Triton's interpreter (TRITON_INTERPRET=1) the GEMMs given to the generated kernel run it,

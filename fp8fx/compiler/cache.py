@@ -43,13 +43,15 @@ def source_digest() -> str:
 
 
 def tables_digest() -> str:
-    """A digest of the measured dispatch tables `fp8fx selftest` wrote (fp8fx.codegen.dispatch)."""
-    from fp8fx.codegen.dispatch import table_path
+    """A digest of the measured tables `kernels="auto"` may read: those `fp8fx selftest` wrote and
+    those measured at compile (`fp8fx.codegen.autotune.table_files`)."""
+    from fp8fx.codegen.autotune import table_files
 
     h = hashlib.sha256()
-    for path in sorted(table_path("x").parent.glob("dispatch-*.json")):
+    for path in table_files():
         h.update(path.name.encode())
-        h.update(path.read_bytes())
+        with contextlib.suppress(FileNotFoundError):  # (deleted since listed: digested as absent)
+            h.update(path.read_bytes())
     return h.hexdigest()
 
 

@@ -9,7 +9,8 @@ kernel's `aux` output; a second such value ends the chain there. A tensorwise `f
 chain's result (the next layer's dynamic scale) is computed by the epilogue too.
 
 Every 2-D FP8 GEMM becomes an `fp8_gemm` node, with or without epilogue, and its record says what
-was fused, why the chain stopped, and which kernel runs it on a GPU and why (`fp8fx.codegen.dispatch`).
+was fused, why the chain stopped, and which kernel runs it on a GPU and why (`fp8fx.codegen.dispatch`,
+by the measurements of that GPU, `fp8fx.ops.gemm_bench.device_tables`, measuring what they lack).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fp8fx.codegen.variants import GemmVariant
 from fp8fx.core.epilogue import PLAIN, Epilogue, activation_of
 from fp8fx.core.formats import Fp8Format
 from fp8fx.ops.args import Fp8GemmArgs, ScaledMmArgs, gemm_args
+from fp8fx.ops.gemm_bench import device_tables
 from fp8fx.passes.annotation import Fusion, annotate, annotation, update_fusion
 from fp8fx.passes.graph_utils import (
     DTYPE_CASTS, PassContext, PassResult, add_node, copy_meta, fake_mode_of, k_contiguous, op_args, strip_layout
@@ -70,6 +72,14 @@ def _could_not_join(gemm: fx.Node, final: fx.Node) -> Refusal:
 
 def _shape(node) -> tuple:
     return tuple(node.meta["val"].shape)
+
+
+def _size_hint(size) -> int | None:
+    """A size as a number: a dynamic one's hint (the size it had when traced), None without one."""
+    if isinstance(size, int):
+        return size
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    return hint if isinstance(hint, int) else None
 
 
 def _same_shape(node: fx.Node, shape: tuple) -> bool:
@@ -167,13 +177,20 @@ def _walk(gemm: fx.Node) -> _Chain:
 
 
 class _Fuser:
-    def __init__(self, gm: fx.GraphModule, kernels: str, inductor: bool):
+    def __init__(self, gm: fx.GraphModule, kernels: str, inductor: bool, measure_gemms: float):
         self.graph = gm.graph
         self.fake_mode = fake_mode_of(self.graph)
         self.kernels = kernels
         self.inductor = inductor  # Inductor compiles the graph: it may run the epilogue better
+        self.measure_gemms = measure_gemms
+        self.tables = {}  # device -> its measurements (None off CUDA)
         self.order = {}
         self._renumber()
+
+    def tables_of(self, device: torch.device):
+        if device not in self.tables:
+            self.tables[device] = device_tables(device, self.measure_gemms)
+        return self.tables[device]
 
     def _renumber(self):
         self.order = {node: i for i, node in enumerate(self.graph.nodes)}
@@ -302,13 +319,16 @@ class _Fuser:
         variant = GemmVariant(a.dtype, b.dtype, tuple(g.block_a), tuple(g.block_b), ep, out_val.dtype, aux_dtype, g.fast_accum)
         k = a.shape[-1]
         shape = tuple(d if isinstance(d, int) else None for d in (m, n, k))
+        hint = tuple(_size_hint(d) for d in (m, n, k))
+        tables = self.tables_of(out_val.device)
         if self.inductor and not _nvfp4(gemm):
-            why = epilogue_to_inductor(self.kernels, variant, shape, out_val.device)
+            why = epilogue_to_inductor(self.kernels, variant, shape, tables, hint)
             if why:
                 return Refusal(why, to_inductor=True)
-        kernel, kernel_reason = choose_kernel(self.kernels, variant, shape, out_val.device)
         if _nvfp4(gemm):
             kernel, kernel_reason = NVFP4_KERNEL
+        else:
+            kernel, kernel_reason = choose_kernel(self.kernels, variant, shape, tables, hint)
         with self.graph.inserting_before(at):
             flat = {}
             for key in ("other", "residual"):
@@ -439,7 +459,8 @@ def fuse_epilogues(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             update_fusion(n, kernel=kernel, kernel_reason=kernel_reason, stop=stop)
     if not ctx.options.fuse_epilogues or not gemms:
         return PassResult(gm, modified=False)
-    fuser = _Fuser(gm, ctx.options.kernels, ctx.options.epilogues_to_inductor)
+    o = ctx.options
+    fuser = _Fuser(gm, o.kernels, o.epilogues_to_inductor, o.measure_gemms)
     for gemm in gemms:
         fuser.fuse(gemm)
     gm.graph.eliminate_dead_code()

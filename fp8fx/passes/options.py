@@ -10,9 +10,11 @@ check everything an option needs: the policy (`fp8fx.core`) and whether Triton i
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from fp8fx.codegen.autotune import MEASURE_GEMMS_S
 from fp8fx.codegen.dispatch import triton_available
 from fp8fx.core.policy import Policy
 from fp8fx.core.policy_yaml import as_policy
@@ -37,6 +39,9 @@ class BackendOptions:
     keep_graphs: bool = False
     fuse_epilogues: bool = True
     kernels: str = "auto"
+    # Seconds per process that kernels="auto" may spend timing, at compile, the GEMMs no measurement
+    # covers on a GPU (fp8fx.codegen.autotune); 0: none.
+    measure_gemms: float = MEASURE_GEMMS_S
     monitor_every: int = 0
     saved_outputs: str = "bf16"
     weight_fp8: str = "auto"
@@ -54,6 +59,12 @@ class BackendOptions:
             raise ValueError(f"fp8fx.backend: kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
         if self.kernels == "triton" and not triton_available():
             raise RuntimeError("fp8fx.backend(kernels='triton') needs Triton, which is not installed here; use kernels='auto'")
+        m = self.measure_gemms
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not (0 <= m < math.inf):
+            raise ValueError(
+                f"fp8fx.backend: measure_gemms must be the seconds per process that kernels='auto' may spend measuring "
+                f"GEMMs on a GPU, a number >= 0 (0 measures none), got {m!r}"
+            )
         if self.saved_outputs not in SAVED_OUTPUTS:
             choices = ", ".join(SAVED_OUTPUTS)
             raise ValueError(f"fp8fx.backend: saved_outputs must be one of {choices}, got {self.saved_outputs!r}")

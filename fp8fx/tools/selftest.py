@@ -46,6 +46,18 @@ from torch import Tensor, nn
 from fp8fx.codegen.variants import GemmVariant
 from fp8fx.core.epilogue import Epilogue
 from fp8fx.ops.args import Fp8GemmArgs
+from fp8fx.ops.gemm_bench import (
+    RUNNERS,
+    Outputs,
+    VariantUse,
+    cuda_bench,
+    error_line,
+    gemm_args,
+    make_inputs,
+    present,
+    time_kernels,
+    to_device,
+)
 from fp8fx.passes.annotation import annotation
 from fp8fx.runtime import numerics
 from fp8fx.runtime.numerics import EXACT_DB
@@ -153,22 +165,6 @@ class SelftestModel(nn.Module):
 
 
 # --- kernel variants -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class VariantUse:
-    """A kernel variant as a training step uses it: the variant, the recipes that generate it, and
-    the dtypes of its bias / other / residual inputs in the graph."""
-
-    variant: GemmVariant
-    recipes: tuple[str, ...]
-    bias_dtype: torch.dtype = torch.bfloat16
-    other_dtype: torch.dtype = torch.bfloat16
-    residual_dtype: torch.dtype = torch.bfloat16
-
-    @property
-    def name(self) -> str:
-        return self.variant.name
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -313,83 +309,8 @@ def speed_uses(uses: list[VariantUse]) -> list[tuple[str, VariantUse]]:
     return chosen
 
 
-# --- inputs, the three ways to run a GEMM, and the comparison -------------------------------------
-
-
-def make_inputs(use: VariantUse, m: int, n: int, k: int, seed: int = 0, device: str | torch.device = "cpu") -> dict:
-    """The arguments of one GEMM of `use`'s variant: FP8 operands quantized as the graph does
-    (a [m, k] row-major, b [k, n] column-major), their scale inverses, and the epilogue's tensors."""
-    from fp8fx.core.scaling import amax_to_scale, block_amax
-    from fp8fx.ops import reference
-
-    v = use.variant
-    g = torch.Generator(device=device).manual_seed(seed)
-
-    def randn(*shape) -> Tensor:
-        return torch.randn(*shape, generator=g, device=device)
-
-    def operand(x: Tensor, dtype: torch.dtype, block: tuple) -> tuple[Tensor, Tensor]:
-        scale = amax_to_scale(block_amax(x, block), torch.finfo(dtype).max)
-        return reference.cast(x, scale, dtype, list(block)), scale.reciprocal()
-
-    a, scale_inv_a = operand(randn(m, k), v.a_dtype, v.block_a)
-    bt, scale_inv_bt = operand(randn(n, k), v.b_dtype, tuple(reversed(v.block_b)))  # the weight as stored: [n, k]
-    e, fp8_out = v.epilogue, v.out_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    return dict(
-        a=a,
-        b=bt.t(),
-        scale_inv_a=scale_inv_a,
-        scale_inv_b=scale_inv_bt.t().contiguous() if v.block_b else scale_inv_bt,
-        bias=randn(n).to(use.bias_dtype) if e.bias else None,
-        other=randn(m, n).to(use.other_dtype) if e.mul != "none" else None,
-        residual=randn(m, n).to(use.residual_dtype) if e.residual else None,
-        out_scale=torch.tensor(4.0, device=device) if fp8_out else None,
-    )
-
-
-def to_device(inputs: dict, device: str | torch.device) -> dict:
-    return {k: t.to(device) if t is not None else None for k, t in inputs.items()}
-
-
-Outputs = tuple[Tensor, Tensor | None, Tensor | None]  # out, aux, amax
-
-
-def _present(use: VariantUse, out: Tensor, aux: Tensor | None, amax: Tensor | None) -> Outputs:
-    """Absent outputs as None (the ops return empty tensors for them)."""
-    e = use.variant.epilogue
-    return out, aux if e.aux != "none" else None, amax if e.out_amax else None
-
-
-def run_generated(use: VariantUse, t: dict) -> Outputs:
-    """The generated Triton kernel, through the one launcher the graph uses."""
-    from fp8fx.codegen.launch import fp8_gemm
-
-    v = use.variant
-    out, aux, amax = fp8_gemm(
-        t["a"],
-        t["b"],
-        t["scale_inv_a"],
-        t["scale_inv_b"],
-        block_a=v.block_a,
-        block_b=v.block_b,
-        epilogue=v.epilogue,
-        bias=t["bias"],
-        other=t["other"],
-        residual=t["residual"],
-        out_scale=t["out_scale"],
-        out_dtype=v.out_dtype,
-        aux_dtype=v.aux_dtype,
-        fast_accum=v.fast_accum,
-    )
-    return _present(use, out, aux, amax)
-
-
-def run_scaled_mm(use: VariantUse, t: dict) -> Outputs:
-    """`torch._scaled_mm` (scaled_mm_2d) to fp32, then the epilogue as torch ops: exactly what
-    `fp8fx.ops.cuda` runs for kernel "scaled_mm"."""
-    from fp8fx.ops.cuda import fp8_gemm_on_cuda
-
-    return _present(use, *fp8_gemm_on_cuda(_gemm_args(use, t, "scaled_mm")))
+# --- the reference, and the comparison ------------------------------------------------------------
+# (The inputs and the two kernels a GPU runs: fp8fx.ops.gemm_bench, shared with the measuring at compile.)
 
 
 def run_reference(use: VariantUse, t: dict) -> Outputs:
@@ -397,26 +318,7 @@ def run_reference(use: VariantUse, t: dict) -> Outputs:
     from fp8fx.ops import reference
 
     # kernel "scaled_mm": the emulation itself, never the interpreter (even in the child process)
-    return _present(use, *reference.fp8_gemm(_gemm_args(use, t, "scaled_mm")))
-
-
-def _gemm_args(use: VariantUse, t: dict, gpu_kernel: str) -> Fp8GemmArgs:
-    """The `fp8fx::fp8_gemm` arguments of `use`'s variant on the tensors `t` (`make_inputs`)."""
-    v = use.variant
-    operands = {k: t[k] for k in ("a", "b", "scale_inv_a", "scale_inv_b", "bias", "other", "residual", "out_scale")}
-    return Fp8GemmArgs(
-        **operands,
-        out_dtype=v.out_dtype,
-        aux_dtype=v.aux_dtype,
-        block_a=list(v.block_a),
-        block_b=list(v.block_b),
-        epilogue=v.epilogue.spec(),
-        gpu_kernel=gpu_kernel,
-        fast_accum=v.fast_accum,
-    )
-
-
-RUNNERS = {"generated": run_generated, "scaled_mm": run_scaled_mm}
+    return present(use, *reference.fp8_gemm(gemm_args(use, t, "scaled_mm")))
 
 
 def sqnr_db(actual: Tensor, reference: Tensor) -> float | None:
@@ -468,14 +370,14 @@ def check_gemm(
         ref = run_reference(use, inputs)
         on_device = to_device(inputs, device)
     except Exception as e:  # noqa: BLE001 - reported in the results
-        return [dict(base, path=p, passed=False, error=_error(e)) for p in paths]
+        return [dict(base, path=p, passed=False, error=error_line(e)) for p in paths]
     checks = []
     for path in paths:
         try:
             got = RUNNERS[path](use, on_device)
             checks.append(dict(base, path=path, **compare_outputs(got, ref)))
         except Exception as e:  # noqa: BLE001
-            checks.append(dict(base, path=path, passed=False, error=_error(e)))
+            checks.append(dict(base, path=path, passed=False, error=error_line(e)))
     return checks
 
 
@@ -547,7 +449,7 @@ def check_step(
         ref = step_tensors(recipe, "scaled_mm", dims, device, dtype, inner)
         got = step_tensors(recipe, kernels, dims, device, dtype, inner)
     except Exception as e:  # noqa: BLE001
-        return dict(base, passed=False, error=_error(e))
+        return dict(base, passed=False, error=error_line(e))
     if any(t is None for t in got + ref):  # a missing gradient fails
         return dict(base, passed=False, error="a gradient is missing")
     got_db = [sqnr_db(t, e) for t, e in zip(got, exact, strict=True)]
@@ -589,7 +491,7 @@ def build_checks(plan: list[tuple[VariantUse, str]], progress: Progress | None =
                 mma_ok = r.fp8_mma is not None and r.fp8_mma.startswith(FP8_MMA_PREFIX[arch])
                 checks.append(dict(base, **dataclasses.asdict(r), passed=bool(r.ok and mma_ok)))
         except Exception as e:  # noqa: BLE001
-            checks.append(dict(base, passed=False, error=_error(e)))
+            checks.append(dict(base, passed=False, error=error_line(e)))
         if progress:
             progress("offline builds", i + 1, len(plan))
     return checks
@@ -709,16 +611,6 @@ def tflops(m: int, n: int, k: int, ms: float | None) -> float | None:
     return 2 * m * n * k / (ms * 1e-3) / 1e12 if ms else None
 
 
-def cuda_bench(fn: Callable[[], object], grad_to_none: list[Tensor] | None = None) -> float:
-    """Median milliseconds of `fn` (triton.testing.do_bench) after a first call outside the timing
-    (autotuning, compilation)."""
-    from triton.testing import do_bench
-
-    fn()
-    torch.cuda.synchronize()
-    return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
-
-
 def time_gemms(
     chosen: list[tuple[str, VariantUse]], shapes, device, bench: Callable | None = None, progress: Progress | None = None
 ) -> list[dict]:
@@ -731,17 +623,11 @@ def time_gemms(
         bf16_ms = _timed(functools.partial(_bf16_mm, m, n, k, device), bench, "bf16", errors)
         for role, use in chosen:
             row = dict(variant=use.name, role=role, shape=name, m=m, n=n, k=k)
-            t = None
-            try:
-                t = make_inputs(use, m, n, k, device=device)
-            except Exception as e:  # noqa: BLE001
-                errors.setdefault("inputs", _error(e))
-            for path, runner in RUNNERS.items():
-                ms = None
-                if t is not None:
-                    make = functools.partial(functools.partial, runner, use, t)  # makes the call to time
-                    ms = _timed(make, bench, path, errors)
+            times, failed = time_kernels(use, m, n, k, device, bench)
+            for path, ms in times.items():
                 row[f"{path}_ms"], row[f"{path}_tflops"] = _round(ms, 5), _round(tflops(m, n, k, ms), 1)
+            for path, why in failed.items():  # the first error of each column at this shape
+                errors.setdefault(path, why)
             row["bf16_ms"], row["bf16_tflops"] = _round(bf16_ms, 5), _round(tflops(m, n, k, bf16_ms), 1)
             if errors:
                 row["errors"] = dict(errors)
@@ -762,7 +648,7 @@ def _timed(make: Callable[[], Callable], bench: Callable, name: str, errors: dic
     try:
         return bench(make(), **bench_kwargs)
     except Exception as e:  # noqa: BLE001 - one failing kernel should not stop the table
-        errors.setdefault(name, _error(e))
+        errors.setdefault(name, error_line(e))
         return None
 
 
@@ -1074,11 +960,6 @@ def gpu_checks(
 
 
 # --- small helpers ---------------------------------------------------------------------------------
-
-
-def _error(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:500]
 
 
 def _round(x: float | None, digits: int = 1) -> float | None:

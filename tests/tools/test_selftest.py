@@ -232,14 +232,13 @@ def test_fused_epilogue_against_cublas_bare_gemm(uses, monkeypatch):
     assert not fuse and where == "generated kernel with the epilogue 0.5 ms at 1024x1024x1024, cuBLAS's bare GEMM 0.4 ms at 1024x1024x1024"
     assert dispatch.measured_fusion(table, fused.variant, (8192, 8192, 8192))[0]  # 3.0 ms against 3.2
     assert dispatch.measured_fusion(table[:2], fused.variant, (8192, 8192, 8192)) is None  # the bare GEMM not measured
-    cpu = torch.device("cpu")
-    shape = (64, 64, 64)
-    assert dispatch.epilogue_to_inductor("auto", bare, shape, cpu) == ""  # nothing to leave
-    assert dispatch.epilogue_to_inductor("triton", fused.variant, shape, cpu) == ""
-    assert dispatch.epilogue_to_inductor("auto", fused.variant, shape, cpu) == dispatch.UNMEASURED_TO_INDUCTOR
-    assert "kernels='scaled_mm'" in dispatch.epilogue_to_inductor("scaled_mm", fused.variant, shape, cpu)
+    shape = (64, 64, 64)  # no tables: a GEMM off a GPU, where no measurement applies
+    assert dispatch.epilogue_to_inductor("auto", bare, shape) == ""  # nothing to leave
+    assert dispatch.epilogue_to_inductor("triton", fused.variant, shape) == ""
+    assert dispatch.epilogue_to_inductor("auto", fused.variant, shape) == dispatch.UNMEASURED_TO_INDUCTOR
+    assert "kernels='scaled_mm'" in dispatch.epilogue_to_inductor("scaled_mm", fused.variant, shape)
     monkeypatch.setattr(dispatch, "triton_available", lambda: False)
-    assert dispatch.epilogue_to_inductor("auto", fused.variant, shape, cpu).startswith("Triton is not installed")
+    assert dispatch.epilogue_to_inductor("auto", fused.variant, shape).startswith("Triton is not installed")
 
 
 def test_report_json(uses, tmp_path):
