@@ -25,7 +25,9 @@ GEMMs `_scaled_mm` calls with --cublas, emulated otherwise. The project's target
 graph, as for a GPU, on CPU tensors: Inductor's Triton backend schedules and fuses them, and the
 count is taken when it would generate their code (a CPU has no Triton driver to build them, so
 nothing runs). One compile per model: its forward graph, once scheduled, is compiled by Inductor's
-C++ backend, whose run lets the backward graph compile and be scheduled.
+C++ backend, whose run lets the backward graph compile and be scheduled. Its rows also give
+`amax_passes` (forward, backward): the kernels computing an amax and no cast that read an
+operand-sized tensor. A recipe with delayed scaling (delayed, megatron) gets `fp8fx.prepare(model)`.
 """
 
 from __future__ import annotations
@@ -105,6 +107,18 @@ class _Scheduled(Exception):
     """Raised where Inductor's Triton backend would generate the code of a graph it has scheduled."""
 
 
+def amax_pass(kernel, min_numel: int) -> bool:
+    """Whether a scheduled kernel computes an fp8fx amax but no cast, reading an operand-sized tensor: an amax
+    pass of its own over a tensor that a cast's kernel reads too (a dynamic scale's pre-pass)."""
+    from torch._inductor.virtualized import V
+
+    from fp8fx.compiler.lowering import LOWERED_FROM
+
+    made = {o.meta.get(LOWERED_FROM) for p in kernel.get_nodes() if p.node is not None for o in p.node.get_origins()}
+    large = any(V.graph.sizevars.optimization_hint(d.get_numel(), fallback=0) >= min_numel for d in kernel.read_writes.reads)
+    return "fp8fx::amax" in made and "fp8fx::cast" not in made and large
+
+
 def gpu_realize_rule():
     """Inductor decides which values its kernels store and which each reader computes again by
     rules that differ on a CPU: there it stores any value several kernels read that computes exp,
@@ -135,7 +149,8 @@ def scheduled_by_triton(counts: list):
         graph = MemoryPassCounts(charge=active.charge)
         graph.min_numel = active.min_numel
         graph.count(scheduler.nodes)
-        counts.append((sum(graph.counts.values()), sum(not n.is_extern() for n in scheduler.nodes)))
+        amax_passes = sum(not n.is_extern() and amax_pass(n, graph.min_numel) for n in scheduler.nodes)
+        counts.append((sum(graph.counts.values()), sum(not n.is_extern() for n in scheduler.nodes), amax_passes))
         raise _Scheduled
 
     @contextlib.contextmanager
@@ -174,6 +189,16 @@ def cublas_devices(args) -> tuple[str, ...]:
     return ("cuda", "cpu") if args.cublas else ("cuda",)
 
 
+def fp8fx_llama(recipe: str, args, **options):
+    """The Llama, its input ids and the fp8fx backend of `recipe` (`options`: the backend's others); a recipe
+    with delayed scaling gets its model a place for the amax histories and scales (`fp8fx.prepare`)."""
+    model, ids = llama(args)
+    policy = fp8fx.Policy.from_recipe(recipe)
+    if policy.uses_delayed_scaling:
+        fp8fx.prepare(model)
+    return model, ids, fp8fx.backend(policy=policy, inner="inductor", cublas_devices=cublas_devices(args), **options)
+
+
 def count_triton_scheduled(recipe: str, args) -> dict:
     """The passes and kernels (forward, backward) of one training step's graphs, as Inductor's
     Triton backend fuses them (`scheduled_by_triton`): fp8fx's graphs with their cuBLAS GEMMs as
@@ -185,8 +210,7 @@ def count_triton_scheduled(recipe: str, args) -> dict:
         model, ids = torchao_llama(recipe.removeprefix("torchao-"), args)
         compiled = torch.compile(model)
     else:
-        model, ids = llama(args)
-        backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor", cublas_devices=cublas_devices(args))
+        model, ids, backend = fp8fx_llama(recipe, args)
         compiled = torch.compile(model, backend=backend)
     with contextlib.ExitStack() as stack:
         if torchao:
@@ -201,8 +225,9 @@ def count_triton_scheduled(recipe: str, args) -> dict:
                 raise
     assert len(counts) == 2, f"{recipe}: one backward graph expected, {len(counts) - 1} scheduled"
     gemms = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    return {"recipe": recipe, "fp8_gemms": 3 * gemms, "fp8fx_ops_called": None, "memory_passes_added": sum(p for p, _ in counts),
-            "transposed_copies": 0, "memory_passes_one_by_one": None, "kernels": [k for _, k in counts]}  # fmt: skip
+    return {"recipe": recipe, "fp8_gemms": 3 * gemms, "fp8fx_ops_called": None, "memory_passes_added": sum(c[0] for c in counts),
+            "transposed_copies": 0, "memory_passes_one_by_one": None, "kernels": [c[1] for c in counts],
+            "amax_passes": [c[2] for c in counts]}  # fmt: skip
 
 
 def _scheduled(e: BaseException | None) -> bool:
@@ -217,9 +242,7 @@ def count(recipe: str, args) -> dict:
         return count_triton_scheduled(recipe, args)
     if recipe.startswith("torchao-"):
         return count_torchao(recipe.removeprefix("torchao-"), args)
-    model, ids = llama(args)
-    policy = fp8fx.Policy.from_recipe(recipe)
-    backend = fp8fx.backend(policy=policy, inner="inductor", kernels=args.kernels, cublas_devices=cublas_devices(args))
+    model, ids, backend = fp8fx_llama(recipe, args, kernels=args.kernels)
     compiled = torch.compile(model, backend=backend)
 
     def step():
@@ -248,7 +271,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--kernels", default="auto", choices=["auto", "triton", "scaled_mm"])
     ap.add_argument("--cublas", action="store_true", help="lower cuBLAS GEMMs to aten._scaled_mm on CPU too, as on a GPU")
-    ap.add_argument("--scheduler", default="cpp", choices=["cpp", "triton"], help="triton (with --cublas): count the kernels of Inductor's Triton backend")
+    ap.add_argument(
+        "--scheduler",
+        default="cpp",
+        choices=["cpp", "triton"],
+        help="triton (with --cublas): count the kernels of Inductor's Triton backend",
+    )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     if args.scheduler == "triton" and not (args.cublas and args.device == "cpu"):

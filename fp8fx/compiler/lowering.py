@@ -53,6 +53,36 @@ def _amax(x: Tensor, block: list[int]) -> Tensor:
     return scaling.block_amax(x, tuple(block))
 
 
+def _state_amax(x: Tensor, block: list[int]) -> Tensor:
+    """A delayed cast's amax, which only its state update reads: the amaxes of x's rows (in memory
+    order), whose max `fp8fx::delayed_scale_step` takes (the same value: a max is exact). Inductor fuses
+    a reduction per row into a producer that reduces rows (a norm, its backward) as into the cast's
+    kernel; one whole-tensor reduction has another shape, and read the tensor again after such a producer."""
+    order = None if x.is_contiguous() else _memory_order(x)
+    return (x if order is None else x.permute(order)).abs().amax(dim=-1).to(torch.float32)
+
+
+def _is_state_amax(node: fx.Node) -> bool:
+    """Whether `node` is a tensorwise `fp8fx::amax` of a tensor of 2 or more dims whose only readers
+    are delayed-scaling state updates (not an all-reduce, which needs one shape on every rank)."""
+    step = fp8fx_ops.delayed_scale_step.default
+    x = node.args[0].meta["val"]
+    return (
+        node.target is fp8fx_ops.amax.default
+        and not list(node.args[1])
+        and x.dim() >= 2
+        and bool(node.users)
+        and all(u.target is step for u in node.users)
+    )
+
+
+def _lower(graph: fx.Graph, decompositions: dict, kept_whole: dict, meta: dict) -> int:
+    """`decompose_nodes` of `decompositions`, a delayed cast's amax as `_state_amax` (`_is_state_amax`)."""
+    amax = fp8fx_ops.amax.default
+    replaced = decompose_nodes(graph, {amax: _state_amax}, also=kept_whole, meta=meta, where=_is_state_amax)
+    return replaced + decompose_nodes(graph, decompositions, also=kept_whole, meta=meta)
+
+
 def _scaled(x: Tensor, scale: Tensor, block: list[int]) -> Tensor:
     """`x * scale` in fp32, one scale per block. Blocks of 1 or of a whole dimension broadcast; other
     blocks look their scale up by index. (Inductor's CPU code for `repeat_interleave`, which
@@ -246,6 +276,11 @@ def _lowering_meta(graph: fx.Graph, targets=LOWERED) -> dict[fx.Node, dict]:
         if found:
             ann = annotation(min(found, key=order.__getitem__))
             charges[node] = {CHARGED_TO: (ann.site, ann.role)}
+    for node in graph.nodes:  # a delayed cast's amax feeds its state, not the cast's scale: charged as that cast
+        if node.target is fp8fx_ops.amax.default and node not in charges:
+            casts = [u for u in node.args[0].users if u.target is fp8fx_ops.cast.default and u in charges]
+            if casts:
+                charges[node] = dict(charges[casts[0]])
     for node in graph.nodes:
         if node.target in targets:  # (only the nodes lowered take it, and their checkpoint tag: weight_fp8="recompute")
             charges.setdefault(node, {})[LOWERED_FROM] = node.target.name()
@@ -261,7 +296,7 @@ def lower_elementwise(gm: fx.GraphModule, kept_whole: dict, cublas_devices: tupl
     table, e.g. an epilogue's activation); returns how many. A GEMM given to cuBLAS on one of
     `cublas_devices` becomes `aten._scaled_mm`. The nodes an amax, cast or saved copy becomes carry
     the GEMM it is charged to (`CHARGED_TO`)."""
-    replaced = decompose_nodes(gm.graph, lowered(cublas_devices), also=kept_whole, meta=_lowering_meta(gm.graph))
+    replaced = _lower(gm.graph, lowered(cublas_devices), kept_whole, _lowering_meta(gm.graph))
     if replaced:
         gm.recompile()
     return replaced
@@ -278,7 +313,7 @@ def lower_casts(graph: fx.Graph, kept_whole: dict) -> int:
     that the partitioner can recompute a cast in backward (see the module's docstring); returns
     how many. Their nodes carry the GEMM they are charged to, as after `lower_elementwise`."""
     meta = _lowering_meta(graph, LOWERED_BEFORE_PARTITION)
-    return decompose_nodes(graph, LOWERED_BEFORE_PARTITION, also=kept_whole, meta=meta)
+    return _lower(graph, LOWERED_BEFORE_PARTITION, kept_whole, meta)
 
 
 PARTITION_COPY = "fp8fx_partition_copy"  # meta of the copies `let_backward_cast_again` adds

@@ -13,7 +13,8 @@ tracing the graph once more before compiling it, and one graph serves every inst
                               bool power_of_two, bool most_recent, int interval) -> Tensor
 
 `delayed_scale` returns a copy of the scale in use. `delayed_scale_step` records this step's amax
-and updates the state in place (`delayed_scale_update`'s formula). It declares that it writes the
+(the max of `amax`: partial amaxes, per row, under Inductor) and updates the state in place
+(`delayed_scale_update`'s formula). It declares that it writes the
 handle, which it does not: that orders it after every read of the handle in the graph (Inductor
 schedules a write after the reads before it) and keeps it through dead-code elimination.
 """
@@ -69,8 +70,10 @@ def delayed_scale_step(
     interval: int,
 ) -> Tensor:
     """One step of state `key`, in place; returns a copy of the new scale (a value the graph keeps,
-    so that partitioning keeps the op)."""
+    so that partitioning keeps the op). `amax` may hold partial amaxes (Inductor's graphs pass the
+    amax of each row, `fp8fx.compiler.lowering._state_amax`): their max is this step's amax."""
     state = _state(handle, key)
+    amax = amax.amax()
     tensors = (state.amax_history, state.scale, state.steps, state.non_finite)
     updated = reference.delayed_scale_update(
         *tensors, amax.to(state.scale.device), fp8_max, margin, power_of_two, most_recent, interval

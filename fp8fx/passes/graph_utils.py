@@ -220,19 +220,19 @@ def _call_signature(node: fx.Node) -> tuple | None:
         return None
 
 
-def decompose_nodes(graph: fx.Graph, decompositions: dict, also: dict | None = None, meta: dict | None = None) -> int:
+def decompose_nodes(graph: fx.Graph, decompositions: dict, also: dict | None = None, meta: dict | None = None, where=None) -> int:
     """Replace each call of an op in `decompositions` by its decomposition, in place (what it
     decomposes to is traced with Inductor's table too, and with `also`: the entries a compile took
     out of that table). `meta` maps a node to entries every node of its decomposition gets.
 
     Returns how many nodes were replaced; a node whose decomposition declines (returns
     NotImplemented for its shapes) stays. The subgraphs are traced on the nodes' fake values, so
-    every new node carries `meta["val"]`."""
+    every new node carries `meta["val"]`. `where(node)`, if given, picks the nodes to replace."""
     from torch._inductor.decomposition import select_decomp_table
     from torch.func import functionalize
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in decompositions]
+    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in decompositions and (where is None or where(n))]
     if not nodes:
         return 0
     fake_mode = fake_mode_of(graph)
@@ -254,8 +254,12 @@ def decompose_nodes(graph: fx.Graph, decompositions: dict, also: dict | None = N
                 declined = table[node.target](*node_values(node.args), **node_values(node.kwargs)) is NotImplemented
                 # The decomposition itself is traced (not the op, which functionalization would
                 # pass through whole), functionalized: it may update its own temporaries in place.
-                trace = None if declined else make_fx(functionalize(fn, remove="mutations"), decomposition_table=table)(
-                    *[a.meta["val"] for a in tensor_args]
+                trace = (
+                    None
+                    if declined
+                    else make_fx(functionalize(fn, remove="mutations"), decomposition_table=table)(
+                        *[a.meta["val"] for a in tensor_args]
+                    )
                 )
             if key is not None:
                 traces[key] = trace

@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 
 @pytest.fixture
 def tiny_cublas_args():
-    args = dict(layers=1, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=512, seq=16, batch=2, device="cpu",
-                kernels="auto", cublas=True, scheduler="cpp")  # fmt: skip
+    args = {"layers": 1, "hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 512, "seq": 16, "batch": 2,
+            "device": "cpu", "kernels": "auto", "cublas": True, "scheduler": "cpp"}  # fmt: skip
     with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
         yield argparse.Namespace(**args)
 
@@ -40,3 +40,19 @@ def test_fp8fx_adds_fewer_passes_than_torchao(recipe, tiny_cublas_args):
     # measured: 89 against 91 tensorwise, 71 against 96 rowwise; backward kernels 35 against 35, 42 against 55
     assert 0 < ours["memory_passes_added"] < theirs["memory_passes_added"]
     assert ours["kernels"][1] <= theirs["kernels"][1]
+
+
+def test_delayed_scaling_adds_fewer_passes_than_tensorwise(tiny_cublas_args):
+    """A delayed cast's scale is read from state: its amax (which only the state update reads) is computed
+    in the kernel that casts it, or that produces it, with no pass of its own before the cast."""
+    import fusion_counts
+
+    tiny_cublas_args.scheduler = "triton"
+    delayed = fusion_counts.count("delayed", tiny_cublas_args)
+    tensorwise = fusion_counts.count("tensorwise", tiny_cublas_args)
+    # measured: 84 passes against 89; amax-only kernels reading an operand-sized tensor: forward 0 against 1, backward 2
+    # against 2 (the k and v gradients, whose casts' kernels also write a K-major copy, which Inductor fuses with no
+    # reduction). With one whole-tensor amax per delayed cast: 87 passes and 3 backward amax kernels (a norm's backward
+    # reduces rows, and the tensor's amax read it again); charged to no GEMM before, the count said 66.
+    assert delayed["memory_passes_added"] < tensorwise["memory_passes_added"]
+    assert delayed["amax_passes"][0] == 0 and delayed["amax_passes"][1] <= tensorwise["amax_passes"][1]
