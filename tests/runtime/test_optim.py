@@ -191,9 +191,13 @@ def assert_same(params_a, opt_a, params_b, opt_b):
                 assert x == y, key
 
 
-@pytest.mark.parametrize("chunk_numel", [1 << 25, 100])
-def test_fused_step_is_the_per_parameter_loop_bit_for_bit(monkeypatch, chunk_numel):
-    monkeypatch.setattr(fp8fx.runtime.optim, "_CHUNK_NUMEL", chunk_numel)  # 100: the buckets are cut into chunks
+@pytest.mark.parametrize("path", ["cpu", "multi-tensor", "multi-tensor, chunks of 100"])
+def test_fused_step_is_the_per_parameter_loop_bit_for_bit(monkeypatch, path):
+    """On the CPU's path and on the GPU's (expanded scales, `_foreach_norm`), which runs on a CPU too."""
+    if path != "cpu":
+        monkeypatch.setattr(fp8fx.runtime.optim, "_LOOPING_DEVICES", ())
+    if path.endswith("100"):  # buckets cut into chunks
+        monkeypatch.setattr(fp8fx.runtime.optim, "_CHUNK_NUMEL", 100)
     ours, opt = mixed_model(Fp8AdamW)
     loop, opt_loop = mixed_model(_LoopAdamW)
     for step in range(8):
