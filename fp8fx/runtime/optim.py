@@ -76,7 +76,7 @@ def _multi_tensor(device: torch.device) -> bool:
     return device.type not in _LOOPING_DEVICES
 
 
-_LOOPING_DEVICES = ("cpu",)
+_LOOPING_DEVICES = ("cpu",)  # (tests empty it to run the GPU's path on CPU tensors)
 
 
 @functools.lru_cache(maxsize=256)
@@ -163,15 +163,13 @@ class Fp8AdamW(torch.optim.Optimizer):
                 raise RuntimeError("Fp8AdamW does not support sparse gradients")
             buckets: dict[tuple, list] = {}  # one fused pass per (device, dtype, step): bias corrections are scalars
             for p in params:
-                state = self.state[p]
+                state, weight = self.state[p], _local(p)
                 if not state:  # zero moments stored with scale 1 dequantize to exact zeros
-                    weight = _local(p)
                     state["step"] = 0
                     for m in _MOMENTS:
                         state[m.key] = torch.zeros(weight.shape, dtype=m.dtype, device=weight.device)
                         state[m.scale_key] = torch.ones((), device=weight.device)
                 state["step"] += 1
-                weight = _local(p)
                 if weight.numel():  # an FSDP2 shard may be empty
                     buckets.setdefault((weight.device, weight.dtype, state["step"]), []).append(p)
             for (_, _, step), bucket in buckets.items():
