@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch._guards import CompileContext, CompileId, TracingContext
-from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
 
 import fp8fx.ops  # noqa: F401  (registers the fp8fx::* operators)
 from fp8fx.codegen.dispatch import triton_available
@@ -40,6 +40,7 @@ from fp8fx.passes import PassContext, run_passes
 from fp8fx.passes.annotation import annotations
 from fp8fx.passes.graph_utils import DelayedInputs, Taps
 from fp8fx.passes.options import INNER_COMPILERS, BackendOptions  # noqa: F401  (INNER_COMPILERS: re-exported)
+from fp8fx.passes.saved_activations import SavedTensor, keep_saved_in_fp8
 from fp8fx.reporting.op_record import OpRecord
 from fp8fx.reporting.records import Report
 from fp8fx.reporting.traffic import non_gemm_bytes, saved_activation_bytes
@@ -98,6 +99,8 @@ class GraphRecord:
     delayed_states: dict[str, int] = field(default_factory=dict)  # the delayed-scaling states it uses: key -> history length
     # Training graphs partitioned by fp8fx (eager inner): bytes saved for backward per module FQN.
     saved_bytes: dict[str, int] | None = None
+    # With saved activations in FP8 (fp8fx.passes.saved_activations): each tensor forward saves, as kept.
+    saved_tensors: list[SavedTensor] = field(default_factory=list)
     dynamo: DynamoGraph | None = None  # None: compiled outside Dynamo
     memory_pass_counts: MemoryPassCounts | None = None  # inner="inductor": the memory passes of the kernels Inductor made
 
@@ -255,6 +258,7 @@ class Fp8fxBackend:
             "kernels": o.kernels,
             "measure_gemms": o.measure_gemms,
             "saved_outputs": o.saved_outputs,
+            "saved_activations": o.saved_activations,
             "weight_fp8": o.weight_fp8,
             "cublas_devices": list(o.cublas_devices),  # what the lowering after partitioning gives cuBLAS
             "overrides": sorted(self.overrides.items()),
@@ -370,6 +374,13 @@ class Fp8fxBackend:
         self.graphs.append(GraphRecord(index, kind, ops, params, state, traffic, delayed_states=ctx.delayed_states))
         return gm
 
+    def keep_saved(self, forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int) -> None:
+        """A partitioned training graph's saved activations, kept in FP8 where the policy says
+        (`fp8fx.passes.saved_activations`), recorded on the joint graph's record."""
+        if self.options.saves_fp8:
+            saved = self.options.policy.saved_activations
+            self.graphs[-1].saved_tensors = keep_saved_in_fp8(forward, backward, num_fwd_outputs, saved, self.options.saved_precision)
+
     def _keep(self, kind: str, gm: fx.GraphModule) -> None:
         if self.options.keep_graphs:
             self.kept_graphs.append((kind, gm))
@@ -384,8 +395,8 @@ class Fp8fxBackend:
         def partition_fn(joint_gm, joint_inputs, **kwargs):
             EAGER_JOINT(joint_gm, ctx)
             forward, backward = min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
-            record = self.graphs[-1]
-            record.saved_bytes = saved_activation_bytes(forward, kwargs["num_fwd_outputs"])
+            self.keep_saved(forward, backward, kwargs["num_fwd_outputs"])
+            self.graphs[-1].saved_bytes = saved_activation_bytes(forward, kwargs["num_fwd_outputs"])
             return forward, backward
 
         def boxed(kind: str):
@@ -416,7 +427,8 @@ class Fp8fxBackend:
         with cache.kept_whole(KEPT_WHOLE) as decompositions:
             ctx = StageContext(options=self.options, rewrite=rewrite, kept_whole=decompositions, memory_pass_counts=passes)
             hook = _InductorJointHook(ctx, key)
-            with inductor_config.patch(joint_custom_pre_pass=hook):
+            partitioner = _SavedFp8Partitioner(self, key) if self.options.saves_fp8 else None
+            with inductor_config.patch(joint_custom_pre_pass=hook, custom_partitioner_fn=partitioner):
                 compiled = compile_fx(gm, example_inputs, inner_compile=functools.partial(compile_partitioned, ctx=ctx))
         made = self.graphs[first:]
         if made and hook.refused:  # Inductor cached nothing of this compile: no records either
@@ -432,6 +444,7 @@ class Fp8fxBackend:
                         "ops": [op.with_memory_pass_counts(passes) for op in g.ops],
                         "non_gemm_bytes": g.non_gemm_bytes,
                         "delayed_states": g.delayed_states,
+                        "saved_tensors": [t.to_dict() for t in g.saved_tensors],
                     }
                     for g in made
                 ]
@@ -444,7 +457,9 @@ class Fp8fxBackend:
                 index = len(self.graphs)
                 ops = [replace(op, graph=index) for op in g["ops"]]
                 params, state = rewrite.params, rewrite.state
-                self.graphs.append(GraphRecord(index, g["kind"], ops, params, state, g["non_gemm_bytes"], g["delayed_states"]))
+                saved = [SavedTensor(**{**t, "shape": tuple(t["shape"])}) for t in g["saved_tensors"]]
+                record = GraphRecord(index, g["kind"], ops, params, state, g["non_gemm_bytes"], g["delayed_states"], saved_tensors=saved)
+                self.graphs.append(record)
         return compiled
 
 
@@ -495,6 +510,27 @@ class _InductorJointHook(CustomGraphPass):
 
     def __call__(self, graph: fx.Graph) -> None:
         JOINT(graph.owning_module, self.ctx)
+
+
+class _SavedFp8Partitioner(CustomPartitionerFn):
+    """Inductor's partitioner (min-cut) followed by `Fp8fxBackend.keep_saved`. `key`: the rewrite's
+    key when the compile began, which the saved tensors' choices follow (the policy is in it)."""
+
+    def __init__(self, backend: Fp8fxBackend, key: str | None):
+        self.backend, self.key = backend, key
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs: Any):
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        forward, backward = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        self.backend.keep_saved(forward, backward, kwargs["num_fwd_outputs"])
+        return forward, backward
+
+    def uuid(self) -> str | None:
+        return self.key
+
+    def __reduce__(self):  # Inductor pickles its config into cache keys: this partitioner is its key
+        return (str, (f"fp8fx.saved_activations:{self.key}",))
 
 
 DEFAULT_BACKEND = Fp8fxBackend()  # what `backend="fp8fx"` resolves to (entry point)

@@ -148,6 +148,10 @@ def _saved_copy(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x.to(dtype)
 
 
+def _widen(q: Tensor, scale_inv: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:
+    return _scaled(q.to(torch.float32), scale_inv, block).to(dtype)
+
+
 def _to_fp32(x: Tensor) -> Tensor:
     return x.to(torch.float32)
 
@@ -231,6 +235,7 @@ LOWERED = {
     fp8fx_ops.cast.default: _cast,
     fp8fx_ops.scale_inverse.default: _scale_inverse,
     fp8fx_ops.saved_copy.default: _saved_copy,
+    fp8fx_ops.widen.default: _widen,
     fp8fx_ops.scaled_mm.default: _scaled_mm,  # (the GEMMs need `devices`: see `lowered`)
     fp8fx_ops.fp8_gemm.default: _fp8_gemm,
 }

@@ -247,13 +247,7 @@ class Rule:
         checked = replace(base, **given)
         for name in given:
             object.__setattr__(self, name, getattr(checked, name))
-        if not isinstance(self.match, str) or not self.match:
-            raise PolicyError("match", f"expected a non-empty glob or 're:' regex, got {self.match!r}")
-        if self.match.startswith("re:"):
-            try:
-                re.compile(self.match[3:])
-            except re.error as e:
-                raise PolicyError("match", f"invalid regex {self.match[3:]!r}: {e}") from None
+        _check_match(self.match)
         if self.op is not None:
             object.__setattr__(self, "op", _op_kinds(self.op, "op"))
         if self.precision is not None:
@@ -266,10 +260,7 @@ class Rule:
     def matches(self, names: tuple[str, ...], op: str) -> bool:
         if self.op is not None and op not in self.op:
             return False
-        if self.match.startswith("re:"):
-            pattern = re.compile(self.match[3:])
-            return any(pattern.fullmatch(n) for n in names)
-        return any(fnmatch.fnmatchcase(n, self.match) for n in names)
+        return _name_matches(self.match, names)
 
 
 def _mentions_nvfp4(given: dict[str, Any]) -> bool:
@@ -368,6 +359,106 @@ class Shadow:
             raise PolicyError("tolerance_db", f"expected a number of decibels, got {self.tolerance_db!r}")
 
 
+class SavedGranularity(str, Enum):
+    """The scales of an activation kept in FP8 for backward: one per row (of the last dimension), or
+    one per group of 128 along it (1x128, DeepSeek-V3's activation blocks)."""
+
+    ROWWISE = "rowwise"
+    GROUP_1X128 = "1x128"
+
+
+SAVED_BLOCKS = {SavedGranularity.ROWWISE: (1, 0), SavedGranularity.GROUP_1X128: (1, 128)}  # fp8fx.core.scaling blocks
+# What forward made a saved tensor for, by what reads it (fp8fx.passes.saved_activations.classify).
+SAVED_KINDS = ("attention", "norm", "activation", "other")
+
+
+def _name_matches(pattern: str, names: tuple[str, ...]) -> bool:
+    """A module-FQN glob, or an `re:` regex, against any of `names`."""
+    if pattern.startswith("re:"):
+        return any(re.fullmatch(pattern[3:], n) for n in names)
+    return any(fnmatch.fnmatchcase(n, pattern) for n in names)
+
+
+def _check_match(pattern: Any) -> None:
+    if not isinstance(pattern, str) or not pattern:
+        raise PolicyError("match", f"expected a non-empty glob or 're:' regex, got {pattern!r}")
+    if pattern.startswith("re:"):
+        try:
+            re.compile(pattern[3:])
+        except re.error as e:
+            raise PolicyError("match", f"invalid regex {pattern[3:]!r}: {e}") from None
+
+
+@dataclass(frozen=True)
+class SavedRule:
+    """How the saved tensors of the modules `match` names (and of the kinds in `kind`) are kept."""
+
+    match: str
+    kind: tuple[str, ...] | None = None
+    precision: Precision | None = None
+    granularity: SavedGranularity | None = None
+
+    def __post_init__(self) -> None:
+        _check_match(self.match)
+        if self.kind is not None:
+            kinds = [self.kind] if isinstance(self.kind, str) else self.kind
+            if not isinstance(kinds, (list, tuple)) or not kinds:
+                raise PolicyError("kind", f"expected a kind or a non-empty list of them ({'|'.join(SAVED_KINDS)}), got {self.kind!r}")
+            for i, kind in enumerate(kinds):
+                if kind not in SAVED_KINDS:
+                    raise PolicyError(f"kind[{i}]", f"expected {'|'.join(SAVED_KINDS)}, got {kind!r}")
+            object.__setattr__(self, "kind", tuple(kinds))
+        if self.precision is not None:
+            object.__setattr__(self, "precision", _enum(Precision, self.precision, "precision"))
+        if self.granularity is not None:
+            object.__setattr__(self, "granularity", _enum(SavedGranularity, self.granularity, "granularity"))
+
+
+@dataclass(frozen=True)
+class SavedActivations:
+    """What forward keeps for backward besides FP8 GEMM operands (fp8fx.passes.saved_activations):
+    in FP8 (E4M3 with `granularity` scales) or in the precision it was made in. `precision` None
+    takes the backend option `saved_activations` (high by default). Rules: first match wins, by
+    module FQN and kind."""
+
+    precision: Precision | None = None
+    granularity: SavedGranularity = SavedGranularity.ROWWISE
+    rules: tuple[SavedRule, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.precision is not None:
+            object.__setattr__(self, "precision", _enum(Precision, self.precision, "precision"))
+        object.__setattr__(self, "granularity", _enum(SavedGranularity, self.granularity, "granularity"))
+        object.__setattr__(self, "rules", tuple(self.rules))
+        for i, rule in enumerate(self.rules):
+            if not isinstance(rule, SavedRule):
+                raise PolicyError(f"rules[{i}]", f"expected a SavedRule, got {type(rule).__name__}")
+
+    def resolve(self, module: str, kind: str, default: Precision) -> tuple[Precision, SavedGranularity, str]:
+        """Precision, granularity and the policy entry they come from, for a tensor of `module` and `kind`."""
+        base = self.precision or default
+        for i, rule in enumerate(self.rules):
+            if _name_matches(rule.match, (module,)) and (rule.kind is None or kind in rule.kind):
+                source = f"saved_activations.rules[{i}] (match {rule.match!r})"
+                return rule.precision or base, rule.granularity or self.granularity, source
+        return base, self.granularity, "saved_activations" if self.precision else "saved_activations default"
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"granularity": self.granularity.value}
+        if self.precision is not None:
+            out["precision"] = self.precision.value
+        out["rules"] = [
+            {
+                "match": r.match,
+                **({"kind": list(r.kind)} if r.kind else {}),
+                **({"precision": r.precision.value} if r.precision else {}),
+                **({"granularity": r.granularity.value} if r.granularity else {}),
+            }
+            for r in self.rules
+        ]
+        return out
+
+
 @dataclass(frozen=True)
 class Policy:
     """A full precision policy. Build it in Python or load it with `load_policy`."""
@@ -382,6 +473,7 @@ class Policy:
     # amaxes and updates the scales too (a calibration run). Off, it reads them only, as
     # TransformerEngine updates them only with grad enabled, so evaluating does not move training.
     calibrate: bool = False
+    saved_activations: SavedActivations = field(default_factory=SavedActivations)
 
     @classmethod
     def from_recipe(cls, name: str, rules: tuple[Rule, ...] = (), calibrate: bool = False, **overrides: Any) -> Policy:
@@ -391,6 +483,8 @@ class Policy:
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", tuple(self.rules))
         _bool(self.calibrate, "calibrate")
+        if not isinstance(self.saved_activations, SavedActivations):
+            raise PolicyError("saved_activations", f"expected SavedActivations, got {type(self.saved_activations).__name__}")
         if self.level is not None:
             object.__setattr__(self, "level", _enum(Level, self.level, "level"))
         for i, rule in enumerate(self.rules):
@@ -493,6 +587,8 @@ class Policy:
             out["level"] = self.level.value
         if self.calibrate:
             out["calibrate"] = True
+        if self.saved_activations != SavedActivations():
+            out["saved_activations"] = self.saved_activations.to_dict()
         return out
 
 

@@ -11,9 +11,11 @@ from typing import Any
 
 import yaml
 
-from fp8fx.core.policy import Policy, PolicyError, Rule, Settings, Shadow, recipe_settings
+from fp8fx.core.policy import Policy, PolicyError, Rule, SavedActivations, SavedRule, Settings, Shadow, recipe_settings
 
-_TOP_KEYS = {"version", "recipe", "defaults", "rules", "shadow", "level", "calibrate"}
+_TOP_KEYS = {"version", "recipe", "defaults", "rules", "shadow", "level", "calibrate", "saved_activations"}
+_SAVED_KEYS = {f.name for f in fields(SavedActivations)}
+_SAVED_RULE_KEYS = {f.name for f in fields(SavedRule)}
 _SHADOW_KEYS = {f.name for f in fields(Shadow)}
 _SETTINGS_KEYS = {f.name for f in fields(Settings)}
 _RULE_KEYS = {f.name for f in fields(Rule)}
@@ -129,6 +131,7 @@ class _Decoder:
             shadow = self.checked(top["shadow"], "shadow", lambda: Shadow(**{k: self.value(v) for k, v in items.items()}))
         level = self.value(top["level"]) if "level" in top else None
         calibrate = self.value(top["calibrate"]) if "calibrate" in top else False
+        saved = self.saved_activations(top["saved_activations"]) if "saved_activations" in top else SavedActivations()
         return self.checked(
             root,
             "<root>",
@@ -140,6 +143,7 @@ class _Decoder:
                 shadow=shadow,
                 level=level,
                 calibrate=calibrate,
+                saved_activations=saved,
             ),
         )
 
@@ -151,6 +155,22 @@ class _Decoder:
         if recipe is None:
             return self.checked(node, key_path, lambda: Settings(**kwargs))
         return self.checked(node, key_path, lambda: recipe_settings(recipe, **kwargs))
+
+    def saved_activations(self, node: yaml.Node) -> SavedActivations:
+        items = self.mapping(node, "saved_activations", _SAVED_KEYS)
+        kwargs = {k: self.value(v) for k, v in items.items() if k != "rules"}
+        rules = []
+        if "rules" in items:
+            if not isinstance(items["rules"], yaml.SequenceNode):
+                raise self.fail(items["rules"], "saved_activations.rules", f"expected a list of rules, got {_kind(items['rules'])}")
+            for i, rule_node in enumerate(items["rules"].value):
+                key_path = f"saved_activations.rules[{i}]"
+                rule_items = self.mapping(rule_node, key_path, _SAVED_RULE_KEYS)
+                if "match" not in rule_items:
+                    raise self.fail(rule_node, f"{key_path}.match", "missing; every rule needs a `match` glob or 're:' regex")
+                rule_kwargs = {k: self.value(v) for k, v in rule_items.items()}
+                rules.append(self.checked(rule_node, key_path, lambda kw=rule_kwargs: SavedRule(**kw)))
+        return self.checked(node, "saved_activations", lambda: SavedActivations(**kwargs, rules=tuple(rules)))
 
     def rule(self, node: yaml.Node, key_path: str) -> Rule:
         items = self.mapping(node, key_path, _RULE_KEYS)

@@ -58,6 +58,17 @@ def _(x: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.empty_like(x, dtype=dtype)
 
 
+@custom_op("fp8fx::widen", mutates_args=())
+def widen(q: Tensor, scale_inv: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:
+    """`reference.widen`: backward's copy of an activation kept in FP8 (fp8fx.passes.saved_activations)."""
+    return reference.widen(q, scale_inv, dtype, block)
+
+
+@widen.register_fake
+def _(q: Tensor, scale_inv: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:
+    return torch.empty_like(q, dtype=dtype)
+
+
 @custom_op("fp8fx::scale_inverse", mutates_args=())
 def scale_inverse(scale: Tensor) -> Tensor:
     """`1 / scale`, the scale inverse a GEMM applies to its product. An op of its own, not

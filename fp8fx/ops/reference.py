@@ -82,6 +82,13 @@ def cast(x: Tensor, scale: Tensor, dtype: torch.dtype, block: list[int]) -> Tens
     return laid_out_like(saturating_cast(x.to(torch.float32) * scale, fp8_format_of(dtype)), x)
 
 
+def widen(q: Tensor, scale_inv: Tensor, dtype: torch.dtype, block: list[int]) -> Tensor:
+    """An FP8 tensor `q` back in `dtype`: `q * scale_inv` (scale inverse per block), laid out as `q`."""
+    check_block(block, "widen")
+    scale_inv = scaling.expand_blocks(scale_inv, tuple(block), q.shape)
+    return laid_out_like((upcast(q) * scale_inv).to(dtype), q)
+
+
 def _as_blocks(scale_inv: Tensor, block: list[int]) -> tuple[Tensor, tuple[int, ...]]:
     """A tensorwise scale as one block covering everything, so all granularities share one path."""
     return (scale_inv, tuple(block)) if block else (scale_inv.reshape(1, 1), (0, 0))

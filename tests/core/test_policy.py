@@ -154,7 +154,17 @@ def test_single_gemm_override(alias, role, prec, base):
 
 # (text, key_path, line, message fragment)
 BAD_FILES = {
-    "unknown_top_key": ("version: 1\nrulez: []\n", "rulez", 2, "unknown key; expected one of calibrate, defaults, level, recipe, rules, shadow, version"),
+    "unknown_top_key": ("version: 1\nrulez: []\n", "rulez", 2, "unknown key; expected one of calibrate, defaults, level, recipe, rules, saved_activations, shadow, version"),
+    "saved_unknown_key": ("version: 1\nsaved_activations:\n  format: e4m3\n", "saved_activations.format", 3,
+                          "unknown key; expected one of granularity, precision, rules"),
+    "saved_granularity": ("version: 1\nsaved_activations:\n  granularity: 1x32\n", "saved_activations.granularity", 3,
+                          "expected rowwise|1x128, got '1x32'"),
+    "saved_rule_kind": ("version: 1\nsaved_activations:\n  rules:\n    - match: '*'\n      kind: [norm, mlp]\n",
+                        "saved_activations.rules[0].kind[1]", 5, "expected attention|norm|activation|other, got 'mlp'"),
+    "saved_rule_match": ("version: 1\nsaved_activations:\n  rules:\n    - precision: fp8\n", "saved_activations.rules[0].match", 4,
+                         "missing; every rule needs"),
+    "saved_rule_precision": ("version: 1\nsaved_activations:\n  rules:\n    - match: x\n      precision: fp4\n",
+                             "saved_activations.rules[0].precision", 5, "expected fp8|high, got 'fp4'"),
     "bad_level": ("version: 1\nrecipe: tensorwise\nlevel: O4\n", "level", 3, "expected O1|O2|O3, got 'O4'"),
     "calibrate_dynamic": ("version: 1\nrecipe: tensorwise\ncalibrate: true\n", "calibrate", 3, "true needs delayed scaling"),
     "calibrate_not_bool": ("version: 1\nrecipe: delayed\ncalibrate: 1\n", "calibrate", 3, "expected true or false"),
