@@ -7,8 +7,9 @@ runs only where fusion saves passes. On a GPU the measurements decide instead, f
 shape of the same variant nearest to the GEMM's: the table `fp8fx selftest` wrote for the GPU
 model, and the GEMMs measured at the first compile that met them (`fp8fx.codegen.autotune`, whose
 `Tables` the caller passes in as `tables`); the choice carries the times it read (`Timing`), BF16's
-among them. Without Triton every GEMM runs `torch._scaled_mm`; `scaled_mm_supports` says what
-PyTorch's scaled-mm kernels can run at all.
+among them, by which `fp8fx.passes.prefer_bf16` keeps high a GEMM measured slower in FP8. Without
+Triton every GEMM runs `torch._scaled_mm`; `scaled_mm_supports` says what PyTorch's scaled-mm
+kernels can run at all.
 
 Under Inductor, which fuses elementwise code into its own kernels, an epilogue costs almost nothing
 outside the GEMM: `epilogue_to_inductor` leaves it there unless the table shows the generated

@@ -45,6 +45,7 @@ class ReasonKind(str, Enum):
     CONV = "conv"  # a convolution: fp8fx runs convolutions in high precision
     UNLINKED = "unlinked"  # a backward GEMM with no forward site to take a policy from
     SHADOW = "shadow"  # a shadow high-precision check found its FP8 result too far off
+    MEASURED = "measured"  # measured slower in FP8 than in BF16 on the GPU that runs it (fp8fx.passes.prefer_bf16)
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class GemmAnnotation:
     fusion: Fusion | None = None
     groups: Dim = None  # a grouped GEMM's number of groups (None: not grouped)
     flops_hinted: bool = False  # flops counts the compile's hint of a symbolic dimension
-    # The measurement that chose its GPU kernel (fuse_epilogues).
+    # The measurement that chose its GPU kernel (fuse_epilogues) or kept it high (prefer_bf16).
     measured: Timing | None = None
 
     @property

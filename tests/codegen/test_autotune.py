@@ -266,6 +266,83 @@ def test_the_pass_measures_the_gemms_it_meets(monkeypatch):
         assert sorted(shape for _, shape in bench.calls) == [(4, 32, 64), (4, 64, 64)]
 
 
+def _train_step(policy=None, **options):
+    """One training step of a two-Linear model compiled with inner="eager": the backend (keeping
+    its graphs), and the compiled model's output beside the model's own."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    backend = fp8fx.backend(policy, inner="eager", keep_graphs=True, **options)
+    x = torch.randn(4, 64)
+    out = torch.compile(model, backend=backend)(x)
+    out.sum().backward()
+    return backend, out, model(x)
+
+
+def test_a_gemm_measured_slower_in_fp8_than_in_bf16_stays_high(monkeypatch):
+    on_fake_gpu(monkeypatch, FakeBench((0.5, 0.8, 0.4)))  # the generated kernel: 0.5 ms, BF16: 0.4
+    backend, out, expected = _train_step()
+    report = fp8fx.report(backend)
+    assert len(report.ops) == 5 and not report.fp8_ops  # forward and backward GEMMs alike
+    for op in report.ops:
+        assert op.reason_kind == "measured" and op.reason.startswith(
+            f"measured slower in FP8 than in BF16: the generated kernel 0.5 ms, BF16 torch.mm 0.4 ms, "
+            f"measured at first compile on {GPU} at "
+        )
+        assert str(measured_path(GPU)) in op.reason and op.reason.endswith(f"gemms: {{{op.role}: fp8}} keeps it in FP8")
+        assert (op.measured_generated_ms, op.measured_scaled_mm_ms, op.measured_bf16_ms) == (0.5, 0.8, 0.4)
+    targets = [str(n.target) for _, gm in backend.kept_graphs for n in gm.graph.nodes]
+    assert len(backend.kept_graphs) == 2 and not [t for t in targets if "fp8fx" in t]  # no cast left behind
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)  # the model's own GEMMs
+
+
+@pytest.mark.parametrize("rule,in_fp8", [({"precision": "fp8"}, 3), ({"gemms": {"grad_weight": "fp8"}}, 1)])
+def test_a_rule_setting_fp8_wins_over_the_measurement_and_the_report_shows_the_times(monkeypatch, rule, in_fp8):
+    on_fake_gpu(monkeypatch, FakeBench((0.5, 0.8, 0.4)))
+    backend, _, _ = _train_step(fp8fx.Policy(rules=(fp8fx.Rule(match="2", **rule),)))
+    report = fp8fx.report(backend)
+    assert len(report.fp8_ops) == in_fp8 and all(op.site == "2" for op in report.fp8_ops)
+    assert {op.reason_kind for op in report.high_ops} == {"measured"}
+    times = "generated 0.5 ms, torch._scaled_mm 0.8 ms, BF16 0.4 ms"
+    assert all(
+        op.gpu_kernel == "triton" and op.gpu_kernel_reason.startswith(f"measured at first compile on {GPU}")
+        for op in report.fp8_ops
+    )
+    assert all(times in op.gpu_kernel_reason for op in report.fp8_ops)
+    text = str(report)
+    assert times in text and "measured slower in FP8 than in BF16: the generated kernel 0.5 ms, BF16 torch.mm 0.4 ms" in text
+    assert "kept high: measured" in text
+    rows = report.to_dict()["ops"]
+    assert all((r["measured_generated_ms"], r["measured_scaled_mm_ms"], r["measured_bf16_ms"]) == (0.5, 0.8, 0.4) for r in rows)
+
+
+def test_a_table_without_bf16_times_still_loads_and_keeps_fp8(cache, monkeypatch):
+    """Tables written before fp8fx timed BF16 (and selftest rows whose BF16 timing failed: null)
+    still decide the kernel; no GEMM is kept high by them."""
+    on_fake_gpu(monkeypatch, FakeBench((0.5, 0.8, 0.4)))
+    assert not fp8fx.report(_train_step()[0]).fp8_ops  # measured with BF16 times: kept high
+    path = measured_path(GPU)
+    data = json.loads(path.read_text())
+    for e in data["gemms"]:
+        del e["bf16_ms"]
+    path.write_text(json.dumps(data))
+    on_fake_gpu(monkeypatch, FakeBench(()))  # (never called: every GEMM is covered)
+    report = fp8fx.report(_train_step()[0])
+    assert len(report.fp8_ops) == 5 and all(
+        op.measured_bf16_ms is None and "BF16" not in op.gpu_kernel_reason for op in report.ops
+    )
+
+    entry = {"variant": PLAIN.name, "m": 1000, "n": 1024, "k": 1024, "generated_ms": 0.5, "scaled_mm_ms": 0.8}
+    table = dispatch.table_path(GPU)
+    table.write_text(json.dumps({"format": 1, "gemms": [dict(entry, bf16_ms=None)]}))
+    choice = dispatch.choose_kernel("auto", PLAIN, SHAPE, FakeBench(()).tables(0.0))
+    assert choice.kernel == "triton" and choice.timing.bf16_ms is None and choice.timing.bf16_faster() == ""
+    for bad in (0, "0.4"):
+        table.write_text(json.dumps({"format": 1, "gemms": [dict(entry, bf16_ms=bad)]}))
+        with pytest.raises(ValueError, match=r"gemms\[0\] needs .* bf16_ms > 0 or null where given"):
+            dispatch.choose_kernel("auto", PLAIN, SHAPE, FakeBench(()).tables(0.0))
+
+
 def test_the_cache_key_follows_the_measured_tables():
     from fp8fx.compiler.backend import _InductorJointHook
 
