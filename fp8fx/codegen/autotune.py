@@ -3,9 +3,9 @@ model (`Tables`), and the measuring, at the first compile that meets them, of th
 
 `fp8fx selftest` measures a fixed list of shapes, when someone runs it. Here a compile measures the
 GEMMs it meets: for each kernel variant and shape that no entry covers, `measure` (the caller's:
-`fp8fx.ops.gemm_bench.measure_gemm` runs the kernels) times the generated kernel and
-`torch._scaled_mm`, and the entry is stored in the selftest table's format in a cache file per GPU
-model and versions (`measured_path`), as Inductor's max-autotune cache is. Later compiles, in this
+`fp8fx.ops.gemm_bench.measure_gemm` runs the kernels) times the generated kernel,
+`torch._scaled_mm` and the same GEMM in BF16, and the entry is stored in the selftest table's format
+in a cache file per GPU model and versions (`measured_path`), as Inductor's max-autotune cache is. Later compiles, in this
 process or another, read it as they read the selftest table. The rules:
 
 - An entry covers a GEMM when it is of the same variant and its shape lies within `COVERED_LOG2` of
@@ -64,8 +64,8 @@ MEASURE_GEMMS_S = 20.0  # seconds of measuring per process, by default (BackendO
 COVERED_LOG2 = 1.0  # an entry within this log-distance of a GEMM's shape covers it
 DYNAMIC_SIZE = 2048  # where a dynamic size without a size hint is measured
 
-# (variant, (m, n, k)) -> (generated_ms, scaled_mm_ms); raises when a kernel fails.
-Measure = Callable[[GemmVariant, tuple[int, int, int]], tuple[float, float]]
+# (variant, (m, n, k)) -> (generated_ms, scaled_mm_ms, bf16_ms); raises when a kernel fails.
+Measure = Callable[[GemmVariant, tuple[int, int, int]], tuple[float, float, float]]
 
 
 def versions() -> dict[str, str]:
@@ -237,7 +237,7 @@ class Tables:
             return f"not measured: this process's budget for measuring GEMMs ran out (measure_gemms={self.budget_s:g} s)"
         start = self.clock()
         try:
-            generated_ms, scaled_mm_ms = self.measure(variant, at)
+            generated_ms, scaled_mm_ms, bf16_ms = self.measure(variant, at)
             entry = {
                 "variant": variant.name,
                 "m": at[0],
@@ -245,6 +245,7 @@ class Tables:
                 "k": at[2],
                 "generated_ms": _ms(generated_ms),
                 "scaled_mm_ms": _ms(scaled_mm_ms),
+                "bf16_ms": _ms(bf16_ms),
             }
         except Exception as e:  # noqa: BLE001 - a kernel that cannot run here: recorded, the rule decides
             return self._failed(failed, f"not measured at {'x'.join(map(str, at))}: {error_line(e)}")

@@ -6,8 +6,10 @@ GEMM whose fused epilogue saves no memory pass runs `torch._scaled_mm`, and the 
 runs only where fusion saves passes. On a GPU the measurements decide instead, from the measured
 shape of the same variant nearest to the GEMM's: the table `fp8fx selftest` wrote for the GPU
 model, and the GEMMs measured at the first compile that met them (`fp8fx.codegen.autotune`, whose
-`Tables` the caller passes in as `tables`). Without Triton every GEMM runs `torch._scaled_mm`;
-`scaled_mm_supports` says what PyTorch's scaled-mm kernels can run at all.
+`Tables` the caller passes in as `tables`); the choice carries the times it read (`Timing`), BF16's
+among them, by which `fp8fx.passes.prefer_bf16` keeps high a GEMM measured slower in FP8. Without
+Triton every GEMM runs `torch._scaled_mm`; `scaled_mm_supports` says what PyTorch's scaled-mm
+kernels can run at all.
 
 Under Inductor, which fuses elementwise code into its own kernels, an epilogue costs almost nothing
 outside the GEMM: `epilogue_to_inductor` leaves it there unless the table shows the generated
@@ -20,9 +22,9 @@ import json
 import math
 import os
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -79,8 +81,9 @@ def table_path(device_name: str) -> Path:
 
 def load_table(path: Path) -> list[dict]:
     """The measured GEMMs of a table file: dicts with variant, m, n, k, generated_ms, scaled_mm_ms
-    (scaled_mm_ms includes the epilogue run as separate torch ops). Raises naming the file and the
-    first bad entry."""
+    (scaled_mm_ms includes the epilogue run as separate torch ops) and, where measured, bf16_ms
+    (`fp8fx.ops.gemm_bench.bf16_gemm`; absent from tables written before fp8fx timed it, null where
+    selftest's BF16 timing failed). Raises naming the file and the first bad entry."""
     return table_entries(read_json(path), path)
 
 
@@ -100,9 +103,11 @@ def table_entries(data, path: Path) -> list[dict]:
         ok = isinstance(e, dict) and isinstance(e.get("variant"), str)
         ok = ok and all(isinstance(e.get(key), int) and e[key] > 0 for key in ("m", "n", "k"))
         ok = ok and all(isinstance(e.get(key), (int, float)) and e[key] > 0 for key in ("generated_ms", "scaled_mm_ms"))
+        ok = ok and (e.get("bf16_ms") is None or isinstance(e["bf16_ms"], (int, float)) and e["bf16_ms"] > 0)
         if not ok:
             raise ValueError(
-                f"{path}: gemms[{i}] needs variant (str), m, n, k (positive ints), generated_ms and scaled_mm_ms (> 0): {e!r}"
+                f"{path}: gemms[{i}] needs variant (str), m, n, k (positive ints), generated_ms and scaled_mm_ms (> 0), "
+                f"and bf16_ms > 0 or null where given: {e!r}"
             )
     return data["gemms"]
 
@@ -140,14 +145,59 @@ def _sources(*entries: dict) -> str:
     return f" ({'; '.join(files)})" if files else ""
 
 
-def measured_choice(table: list[dict], variant: GemmVariant, shape: tuple) -> tuple[str, str] | None:
-    """The kernel the measurements favour for `variant` at (m, n, k), from the measured shape of the
-    same variant nearest in log-distance; None without one."""
+@dataclass(frozen=True)
+class Timing:
+    """The measured entry a kernel choice read, in ms: the generated kernel and `torch._scaled_mm`
+    (each with the variant's epilogue, run after `torch._scaled_mm` as torch ops), and BF16's
+    `torch.mm` (`addmm` with a bias; None: not in the table) at the same shape."""
+
+    generated_ms: float
+    scaled_mm_ms: float
+    bf16_ms: float | None
+    at: str  # "measured [at first compile on <GPU>] at MxNxK"
+    sources: str = ""  # " (<the file>)", or "" when the entry does not say
+
+    @property
+    def kernel(self) -> str:
+        """The kernel the times favour: "triton" (the generated kernel, also on a tie) or "scaled_mm"."""
+        return "triton" if self.generated_ms <= self.scaled_mm_ms else "scaled_mm"
+
+    @property
+    def fp8_ms(self) -> float:
+        """The time of the kernel the times favour."""
+        return min(self.generated_ms, self.scaled_mm_ms)
+
+    def text(self) -> str:
+        bf16 = f", BF16 {self.bf16_ms:.3g} ms" if self.bf16_ms is not None else ""
+        return f"{self.at}: generated {self.generated_ms:.3g} ms, torch._scaled_mm {self.scaled_mm_ms:.3g} ms{bf16}{self.sources}"
+
+    def bf16_faster(self) -> str:
+        """Why BF16 beats the kernel the times favour ("" when it does not, or was not measured)."""
+        if self.bf16_ms is None or self.fp8_ms <= self.bf16_ms:
+            return ""
+        kernel = "the generated kernel" if self.kernel == "triton" else "torch._scaled_mm"
+        return (
+            f"measured slower in FP8 than in BF16: {kernel} {self.fp8_ms:.3g} ms, BF16 torch.mm {self.bf16_ms:.3g} ms, "
+            f"{self.at}{self.sources}"
+        )
+
+
+class KernelChoice(NamedTuple):
+    """What `choose_kernel` decided for one FP8 GEMM, why, and the measurement that decided (None:
+    none did)."""
+
+    kernel: str
+    reason: str
+    timing: Timing | None = None
+
+
+def measured_choice(table: list[dict], variant: GemmVariant, shape: tuple) -> Timing | None:
+    """The times measured for `variant` at the shape of the same variant nearest to (m, n, k) in
+    log-distance (`Timing.kernel`: the kernel they favour); None without one."""
     e = nearest(table, variant.name, shape)
     if e is None:
         return None
-    where = f"{_measured_at(e)}: generated {e['generated_ms']:.3g} ms, torch._scaled_mm {e['scaled_mm_ms']:.3g} ms{_sources(e)}"
-    return ("triton", where) if e["generated_ms"] <= e["scaled_mm_ms"] else ("scaled_mm", where)
+    return Timing(e["generated_ms"], e["scaled_mm_ms"], e.get("bf16_ms"), _measured_at(e), _sources(e))
 
 
 def _noted(reason: str, note: str) -> str:
@@ -156,9 +206,10 @@ def _noted(reason: str, note: str) -> str:
 
 def choose_kernel(
     kernels: str, variant: GemmVariant, shape: tuple, tables: Measurements | None = None, hint: tuple | None = None
-) -> tuple[str, str]:
-    """(kernel, reason): "triton" (the generated kernel) or "scaled_mm" (`torch._scaled_mm`, then the
-    epilogue as torch ops) for one FP8 GEMM of `shape` (m, n, k; a size may be None when dynamic).
+) -> KernelChoice:
+    """(kernel, reason, timing): "triton" (the generated kernel) or "scaled_mm" (`torch._scaled_mm`,
+    then the epilogue as torch ops) for one FP8 GEMM of `shape` (m, n, k; a size may be None when
+    dynamic), and the measurement that decided.
 
     Args:
         tables: the measurements of the GPU that runs the GEMM; None off a GPU (none applies).
@@ -166,25 +217,29 @@ def choose_kernel(
     """
     if kernels == "scaled_mm":
         if variant.mx and triton_available():  # (fp8fx.ops.cuda runs it there too: not a refusal)
-            return "triton", f"torch._scaled_mm cannot: {scaled_mm_supports(variant)} (kernels='scaled_mm' asked for it)"
-        return "scaled_mm", "backend option kernels='scaled_mm'"
+            return KernelChoice(
+                "triton", f"torch._scaled_mm cannot: {scaled_mm_supports(variant)} (kernels='scaled_mm' asked for it)"
+            )
+        return KernelChoice("scaled_mm", "backend option kernels='scaled_mm'")
     if not triton_available():  # (kernels="triton" without Triton is refused by fp8fx.backend)
-        return "scaled_mm", "Triton is not installed"
+        return KernelChoice("scaled_mm", "Triton is not installed")
     if kernels == "triton":
-        return "triton", "backend option kernels='triton'"
+        return KernelChoice("triton", "backend option kernels='triton'")
     unsupported = scaled_mm_supports(variant)
     if unsupported:
-        return "triton", f"torch._scaled_mm cannot: {unsupported}"
+        return KernelChoice("triton", f"torch._scaled_mm cannot: {unsupported}")
     note = ""
     if tables is not None:
         table, note = tables.entries([variant], shape, hint)
-        measured = measured_choice(table, variant, shape)
-        if measured is not None:
-            return measured[0], _noted(measured[1], note)
+        timing = measured_choice(table, variant, shape)
+        if timing is not None:
+            return KernelChoice(timing.kernel, _noted(timing.text(), note), timing)
     saved = variant.epilogue.ops() + variant.epilogue.out_amax
     if saved == 0:
-        return "scaled_mm", _noted("no epilogue to fuse: cuBLAS's GEMM until a measurement favours the generated kernel", note)
-    return "triton", _noted(f"fused epilogue saves {saved} memory pass{'es' if saved > 1 else ''}", note)
+        return KernelChoice(
+            "scaled_mm", _noted("no epilogue to fuse: cuBLAS's GEMM until a measurement favours the generated kernel", note)
+        )
+    return KernelChoice("triton", _noted(f"fused epilogue saves {saved} memory pass{'es' if saved > 1 else ''}", note))
 
 
 # Why Inductor gets the epilogue when no table says otherwise: on a Llama-3-8B-shaped step, the

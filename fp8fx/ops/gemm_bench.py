@@ -1,4 +1,5 @@
-"""One FP8 GEMM run and timed on a device: its inputs, the two kernels that can run it, the clock.
+"""One FP8 GEMM run and timed on a device: its inputs, the two kernels that can run it, the same
+GEMM in BF16, the clock.
 
 Shared by `fp8fx selftest` (`fp8fx.tools.selftest`, which also checks the results) and the
 measuring of a compile's GEMMs (`fp8fx.codegen.autotune`, given `measure_gemm`). Nothing here is
@@ -155,21 +156,44 @@ def time_kernels(
     return times, errors
 
 
-KERNEL_NAMES = {"generated": "the generated kernel", "scaled_mm": "torch._scaled_mm", "inputs": "making its inputs"}
+def bf16_gemm(variant: GemmVariant, m: int, n: int, k: int, device) -> Callable[[], Tensor]:
+    """The same GEMM as a model without FP8 runs it: `torch.mm` of a BF16 [m, k] input by a BF16
+    [k, n] column-major weight (nn.Linear's), `torch.addmm` with a BF16 bias where `variant` has
+    one. The rest of an epilogue is left out: BF16 would run it as ops of their own."""
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    wt = torch.randn(n, k, device=device, dtype=torch.bfloat16).t()
+    if not variant.epilogue.bias:
+        return lambda: torch.mm(x, wt)
+    bias = torch.randn(n, device=device, dtype=torch.bfloat16)
+    return lambda: torch.addmm(bias, x, wt)
+
+
+KERNEL_NAMES = {
+    "generated": "the generated kernel",
+    "scaled_mm": "torch._scaled_mm",
+    "bf16": "BF16 torch.mm",
+    "inputs": "making its inputs",
+}
 
 
 def measure_gemm(variant: GemmVariant, shape: tuple[int, int, int], device, bench: Callable, runners: dict = RUNNERS):
-    """(generated_ms, scaled_mm_ms) of one GEMM of `variant` at `shape` on `device`, its bias,
-    other and residual in BF16 (`fp8fx.codegen.autotune.Measure`). Raises RuntimeError naming the
-    kernel that failed. Runs outside whatever tracing modes the compile has active (fake tensors)."""
+    """(generated_ms, scaled_mm_ms, bf16_ms) of one GEMM of `variant` at `shape` on `device`, its
+    bias, other and residual in BF16, and of the same GEMM in BF16 (`bf16_gemm`;
+    `fp8fx.codegen.autotune.Measure`). Raises RuntimeError naming the kernel that failed. Runs
+    outside whatever tracing modes the compile has active (fake tensors)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes(), torch.no_grad():
         times, errors = time_kernels(VariantUse(variant, ()), *shape, device, bench, runners)
+        if not errors:
+            try:
+                times["bf16"] = bench(bf16_gemm(variant, *shape, device))
+            except Exception as e:  # noqa: BLE001 - raised below as the others are
+                errors["bf16"] = error_line(e)
     if errors:
         path, why = next(iter(errors.items()))
         raise RuntimeError(f"{KERNEL_NAMES[path]} failed: {why}")
-    return times["generated"], times["scaled_mm"]
+    return times["generated"], times["scaled_mm"], times["bf16"]
 
 
 def cuda_bench(fn: Callable[[], object], grad_to_none: list[Tensor] | None = None, warmup: int = 25, rep: int = 100) -> float:

@@ -3,7 +3,8 @@
 `assign_precision` writes it on each GEMM found by `find_matmuls`: where the GEMM is (site,
 module, source line, role, dimensions) and its `Decision`. Later passes never decide again: they
 read it, and when they replace the GEMM node they carry it to the new node with what they added
-(`insert_casts`: the delayed-scaling states its operands use; `fuse_epilogues`: its `Fusion`).
+(`insert_casts`: the delayed-scaling states its operands use; `fuse_epilogues`: its `Fusion` and
+the measurement that chose its kernel).
 The report, the cost model, export, folding in analysis and the FP8 all-gather read it.
 """
 
@@ -20,6 +21,7 @@ from fp8fx.core.formats import Fp8Format
 from fp8fx.core.recipes import AmaxComputeAlgo, Granularity, Precision, ScaleRounding, Scaling
 
 if TYPE_CHECKING:
+    from fp8fx.codegen.dispatch import Timing
     from fp8fx.codegen.variants import GemmVariant
     from fp8fx.core.epilogue import Epilogue
 
@@ -43,6 +45,7 @@ class ReasonKind(str, Enum):
     CONV = "conv"  # a convolution: fp8fx runs convolutions in high precision
     UNLINKED = "unlinked"  # a backward GEMM with no forward site to take a policy from
     SHADOW = "shadow"  # a shadow high-precision check found its FP8 result too far off
+    MEASURED = "measured"  # measured slower in FP8 than in BF16 on the GPU that runs it (fp8fx.passes.prefer_bf16)
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,8 @@ class GemmAnnotation:
     fusion: Fusion | None = None
     groups: Dim = None  # a grouped GEMM's number of groups (None: not grouped)
     flops_hinted: bool = False  # flops counts the compile's hint of a symbolic dimension
+    # The measurement that chose its GPU kernel (fuse_epilogues) or kept it high (prefer_bf16).
+    measured: Timing | None = None
 
     @property
     def fp8(self) -> bool:

@@ -204,8 +204,16 @@ def decide(site: MatmulSite, gemm: Gemm, ctx: PassContext) -> Decision:
     if vector:
         return high(ReasonKind.SHAPE, vector)
     dims = (site.forward.n, site.forward.k)
+    timing = ctx.bf16_faster.get((site.name, gemm.role))
     decision = policy_decision(
-        ctx.options.policy, site.names, site.op, gemm.role, roles, dims, lambda s: _operand_problem(gemm.node, s)
+        ctx.options.policy,
+        site.names,
+        site.op,
+        gemm.role,
+        roles,
+        dims,
+        lambda s: _operand_problem(gemm.node, s),
+        timing.bf16_faster() if timing else "",
     )
     if decision.fp8 and gemm.groups is not None:
         decision = replace(decision, reason=decision.reason + _grouped_note(gemm, decision))
@@ -237,11 +245,14 @@ def policy_decision(
     roles: tuple[str, str],
     dims: tuple,
     operand_problem: Callable[[Settings], tuple[ReasonKind, str] | None] = lambda settings: None,
+    bf16_faster: str = "",
 ) -> Decision:
     """The policy's decision for one GEMM of a pattern fp8fx rewrites: site `names`, pattern `kind`,
     GEMM `role`, operand `roles` and the forward GEMM's (N, K); `operand_problem(settings)` says
-    what keeps this GEMM's operands high under the resolved settings. The one place a policy is
-    turned into a decision: the passes and the FP8 all-gather (fp8fx.distributed) both call it."""
+    what keeps this GEMM's operands high under the resolved settings; `bf16_faster`, why it was
+    measured slower in FP8 than in BF16 on its GPU (`fp8fx.passes.prefer_bf16`), which keeps it
+    high unless a rule sets its precision. The one place a policy is turned into a decision: the
+    passes and the FP8 all-gather (fp8fx.distributed) both call it."""
 
     def high(reason_kind: ReasonKind, reason: str) -> Decision:
         return Decision(Precision.HIGH, reason_kind, reason, roles, source=where)
@@ -261,6 +272,8 @@ def policy_decision(
     problem = operand_problem(res.settings)
     if problem:
         return high(*problem)
+    if bf16_faster and not res.gemm_sources[role].startswith("rules["):  # a rule's fp8 is the user's choice
+        return high(ReasonKind.MEASURED, f"{bf16_faster}; a rule with precision: fp8 or gemms: {{{role}: fp8}} keeps it in FP8")
     settings = res.settings
     mx = settings.granularity is Granularity.MX
     blocks = GRANULARITIES[settings.granularity].blocks(roles)
@@ -312,6 +325,7 @@ def assign_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 decision,
                 groups=gemm.groups,
                 flops_hinted=gemm.flops_hinted,
+                measured=ctx.bf16_faster.get((site.name, gemm.role)) if decision.reason_kind is ReasonKind.MEASURED else None,
             ),
         )
     return PassResult(gm, modified=False)

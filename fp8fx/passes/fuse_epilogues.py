@@ -21,12 +21,12 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import fx
 
-from fp8fx.codegen.dispatch import choose_kernel, epilogue_to_inductor
+from fp8fx.codegen.dispatch import KernelChoice, choose_kernel, epilogue_to_inductor
 from fp8fx.codegen.variants import GemmVariant
 from fp8fx.core.epilogue import PLAIN, Epilogue, activation_of
 from fp8fx.core.formats import Fp8Format
+from fp8fx.ops import gemm_bench
 from fp8fx.ops.args import Fp8GemmArgs, ScaledMmArgs, gemm_args
-from fp8fx.ops.gemm_bench import device_tables
 from fp8fx.passes.annotation import Fusion, annotate, annotation, update_fusion
 from fp8fx.passes.graph_utils import (
     DTYPE_CASTS, PassContext, PassResult, add_node, copy_meta, fake_mode_of, k_contiguous, op_args, strip_layout
@@ -189,7 +189,7 @@ class _Fuser:
 
     def tables_of(self, device: torch.device):
         if device not in self.tables:
-            self.tables[device] = device_tables(device, self.measure_gemms)
+            self.tables[device] = gemm_bench.device_tables(device, self.measure_gemms)
         return self.tables[device]
 
     def _renumber(self):
@@ -325,10 +325,7 @@ class _Fuser:
             why = epilogue_to_inductor(self.kernels, variant, shape, tables, hint)
             if why:
                 return Refusal(why, to_inductor=True)
-        if _nvfp4(gemm):
-            kernel, kernel_reason = NVFP4_KERNEL
-        else:
-            kernel, kernel_reason = choose_kernel(self.kernels, variant, shape, tables, hint)
+        choice = KernelChoice(*NVFP4_KERNEL) if _nvfp4(gemm) else choose_kernel(self.kernels, variant, shape, tables, hint)
         with self.graph.inserting_before(at):
             flat = {}
             for key in ("other", "residual"):
@@ -348,7 +345,7 @@ class _Fuser:
                 block_a=list(g.block_a),
                 block_b=list(g.block_b),
                 epilogue=ep.spec(),
-                gpu_kernel=kernel,
+                gpu_kernel=choice.kernel,
                 fast_accum=g.fast_accum,
             )
             args, kwargs = fused_args.call_args()
@@ -365,8 +362,8 @@ class _Fuser:
                     else self.add(_reshape_like(aux_node), (outs[1], sizes[aux_node]), tag_from=gemm)
                 )
         copy_meta(gemm, fused)  # the fused GEMM takes the scaled_mm's place
-        fusion = Fusion(kernel, kernel_reason, epilogue=ep, absorbed=tuple(n.name for n in absorbed), variant=variant)
-        annotate(fused, replace(annotation(gemm), fusion=fusion))
+        fusion = Fusion(choice.kernel, choice.reason, epilogue=ep, absorbed=tuple(n.name for n in absorbed), variant=variant)
+        annotate(fused, replace(annotation(gemm), fusion=fusion, measured=choice.timing))
         for u in amax_users:
             u.replace_all_uses_with(outs[2])
         (fp8_cast or final).replace_all_uses_with(out)

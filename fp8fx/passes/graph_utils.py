@@ -104,9 +104,12 @@ class PassContext:
     # and updates them only when the policy calibrates.
     inference: bool = False
     # Handed on: the sites find_matmuls found, the GEMM nodes lower_patch_convs made (node -> the
-    # op kind it was lowered from), and the delayed states insert_casts used (key -> history length).
+    # op kind it was lowered from), the GEMMs prefer_bf16 measured slower in FP8 than in BF16
+    # ((site, role) -> fp8fx.codegen.dispatch.Timing), and the delayed states insert_casts used
+    # (key -> history length).
     sites: list = field(default_factory=list)
     lowered: dict = field(default_factory=dict)
+    bf16_faster: dict = field(default_factory=dict)
     delayed_states: dict[str, int] = field(default_factory=dict)
 
 

@@ -15,6 +15,7 @@ from fp8fx.passes.graph_utils import PassContext, PassResult
 from fp8fx.passes.insert_casts import insert_casts
 from fp8fx.passes.insert_probes import insert_probes
 from fp8fx.passes.lower_patch_convs import lower_patch_convs
+from fp8fx.passes.prefer_bf16 import prefer_bf16
 from fp8fx.passes.saved_outputs import saved_outputs
 from fp8fx.passes.verify import verify
 
@@ -24,6 +25,7 @@ ANALYSIS_PASSES: tuple[Pass, ...] = (find_matmuls, assign_precision)
 REWRITE_PASSES: tuple[Pass, ...] = (
     lower_patch_convs,
     *ANALYSIS_PASSES,
+    prefer_bf16,
     insert_probes,
     insert_casts,
     fuse_epilogues,

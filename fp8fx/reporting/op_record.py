@@ -63,6 +63,12 @@ class OpRecord:
     # its reduced-precision FP8 accumulator for the whole K loop (policy fast_accum).
     gpu_kernel: str | None = None
     gpu_kernel_reason: str | None = None
+    # The measurement on the GPU that chose that kernel, or kept the GEMM high (reason kind
+    # "measured"), in ms: the generated kernel and torch._scaled_mm, each with the epilogue it runs,
+    # and BF16 torch.mm (addmm with a bias; None: the table has no BF16 time).
+    measured_generated_ms: float | None = None
+    measured_scaled_mm_ms: float | None = None
+    measured_bf16_ms: float | None = None
     fast_accum: bool | None = None
     # NVFP4: whether the GEMM's gradient operand rounds stochastically, and whether both operands
     # take the random Hadamard transform along K (the weight gradient's).
@@ -144,6 +150,9 @@ class OpRecord:
             kernel=fusion.variant.name if fusion and fusion.variant else None,
             gpu_kernel=fusion.kernel if fusion else None,
             gpu_kernel_reason=fusion.kernel_reason if fusion else None,
+            measured_generated_ms=ann.measured.generated_ms if ann.measured else None,
+            measured_scaled_mm_ms=ann.measured.scaled_mm_ms if ann.measured else None,
+            measured_bf16_ms=ann.measured.bf16_ms if ann.measured else None,
             fast_accum=decision.fast_accum if fp8 else None,
             stochastic_rounding=decision.stochastic_rounding if fp8 else None,
             hadamard=decision.hadamard if fp8 else None,

@@ -50,6 +50,7 @@ from fp8fx.ops.gemm_bench import (
     RUNNERS,
     Outputs,
     VariantUse,
+    bf16_gemm,
     cuda_bench,
     error_line,
     gemm_args,
@@ -615,13 +616,18 @@ def time_gemms(
     chosen: list[tuple[str, VariantUse]], shapes, device, bench: Callable | None = None, progress: Progress | None = None
 ) -> list[dict]:
     """One row per (variant, shape): generated_ms, scaled_mm_ms, bf16_ms and their TFLOP/s (None
-    and an error where a kernel failed; BF16 `torch.mm` timed once per shape)."""
+    and an error where a kernel failed; the BF16 GEMM, `gemm_bench.bf16_gemm`, timed once per shape
+    without a bias and once with one)."""
     bench = bench if bench is not None else cuda_bench
     rows = []
     for i, (name, m, n, k) in enumerate(shapes):
         errors: dict = {}
-        bf16_ms = _timed(functools.partial(_bf16_mm, m, n, k, device), bench, "bf16", errors)
+        bf16: dict[bool, float | None] = {}  # by whether the variant has a bias
         for role, use in chosen:
+            bias = use.variant.epilogue.bias
+            if bias not in bf16:
+                bf16[bias] = _timed(functools.partial(bf16_gemm, use.variant, m, n, k, device), bench, "bf16", errors)
+            bf16_ms = bf16[bias]
             row = dict(variant=use.name, role=role, shape=name, m=m, n=n, k=k)
             times, failed = time_kernels(use, m, n, k, device, bench)
             for path, ms in times.items():
@@ -635,12 +641,6 @@ def time_gemms(
         if progress:
             progress("timing GEMMs", i + 1, len(shapes))
     return rows
-
-
-def _bf16_mm(m: int, n: int, k: int, device) -> Callable[[], Tensor]:
-    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    wt = torch.randn(n, k, device=device, dtype=torch.bfloat16).t()  # [k, n] column-major: nn.Linear's weight
-    return lambda: torch.mm(x, wt)
 
 
 def _timed(make: Callable[[], Callable], bench: Callable, name: str, errors: dict, **bench_kwargs) -> float | None:

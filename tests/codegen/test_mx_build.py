@@ -52,7 +52,7 @@ def test_mx_gemms_take_block_scaled_mma_only_where_it_exists():
 def test_mx_gemms_are_reported_in_the_kernel_that_runs_them():
     """kernels="scaled_mm" cannot give an MX GEMM to torch._scaled_mm (it takes MX only as swizzled
     E8M0 scales): the generated kernel runs it, and the report says so."""
-    kernel, reason = choose_kernel("scaled_mm", MX_VARIANTS[0], (64, 64, 64))
+    kernel, reason, _ = choose_kernel("scaled_mm", MX_VARIANTS[0], (64, 64, 64))
     assert kernel == "triton" and "MX scale blocks" in reason and "kernels='scaled_mm'" in reason
     assert choose_kernel("auto", MX_VARIANTS[0], (64, 64, 64))[0] == "triton"
     assert choose_kernel("scaled_mm", GemmVariant(E4M3, E4M3, (1, 128), (128, 128)), (64, 64, 64))[0] == "scaled_mm"

@@ -208,13 +208,14 @@ def test_dispatch_table_round_trips_and_decides(uses, tmp_path, monkeypatch):
     assert json.loads(path.read_text())["device"] == gpu["name"]
 
     def kernel(variant, shape):
-        choice = dispatch.measured_choice(loaded, variant, shape)
-        return choice and choice[0]
+        timing = dispatch.measured_choice(loaded, variant, shape)
+        return timing and timing.kernel
 
     assert kernel(plain.variant, (1000, 1024, 1024)) == "triton"
     assert kernel(plain.variant, (8000, 8192, 8192)) == "scaled_mm"
     assert kernel(plain.variant, (None, 8192, 8192)) == "scaled_mm"  # dynamic M: nearest in N and K
     assert kernel(fused.variant, (1024, 1024, 1024)) is None  # not measured: the default rule decides
+    assert dispatch.measured_choice(loaded, plain.variant, (1000, 1024, 1024)).bf16_ms == 9.0  # read as a compile's are
 
 
 def test_fused_epilogue_against_cublas_bare_gemm(uses, monkeypatch):
