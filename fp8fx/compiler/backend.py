@@ -40,9 +40,10 @@ from fp8fx.passes import PassContext, run_passes
 from fp8fx.passes.annotation import annotations
 from fp8fx.passes.graph_utils import DelayedInputs, Taps
 from fp8fx.passes.options import INNER_COMPILERS, BackendOptions  # noqa: F401  (INNER_COMPILERS: re-exported)
-from fp8fx.passes.saved_activations import SavedTensor, keep_saved_in_fp8
+from fp8fx.passes.saved_activations import keep_saved_in_fp8
 from fp8fx.reporting.op_record import OpRecord
 from fp8fx.reporting.records import Report
+from fp8fx.reporting.saved import SavedTensor
 from fp8fx.reporting.traffic import non_gemm_bytes, saved_activation_bytes
 from fp8fx.reporting.uncaptured import find_uncaptured
 from fp8fx.runtime.monitor import Monitor
@@ -457,7 +458,7 @@ class Fp8fxBackend:
                 index = len(self.graphs)
                 ops = [replace(op, graph=index) for op in g["ops"]]
                 params, state = rewrite.params, rewrite.state
-                saved = [SavedTensor(**{**t, "shape": tuple(t["shape"])}) for t in g["saved_tensors"]]
+                saved = [SavedTensor.from_dict(t) for t in g.get("saved_tensors", [])]
                 record = GraphRecord(index, g["kind"], ops, params, state, g["non_gemm_bytes"], g["delayed_states"], saved_tensors=saved)
                 self.graphs.append(record)
         return compiled
@@ -690,6 +691,7 @@ def _report(backend: Fp8fxBackend, graphs: list[GraphRecord] | None = None) -> R
         [op for g in graphs for op in rows(g)],
         non_gemm_bytes=summed(g.non_gemm_bytes for g in in_use),
         saved_bytes=summed(g.saved_bytes for g in training) if training else None,
+        saved_tensors=[t for g in in_use for t in g.saved_tensors],
     )
     report.monitor = backend.monitor
     return report

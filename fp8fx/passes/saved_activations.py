@@ -24,8 +24,6 @@ shares its storage with a saved tensor that stays high, or is too small for FP8 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
-
 import torch
 from torch import fx
 
@@ -33,30 +31,13 @@ from fp8fx.core.formats import FP8_DTYPES, Fp8Format
 from fp8fx.core.policy import SAVED_BLOCKS, Precision, SavedActivations
 from fp8fx.passes.find_matmuls import module_fqn
 from fp8fx.passes.graph_utils import add_node, fake_mode_of
+from fp8fx.reporting.saved import SavedTensor
 
 fp8fx_ops = torch.ops.fp8fx
 SAVED_DTYPE = Fp8Format.E4M3.dtype
 _WIDE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MIN_NUMEL = 256  # smaller tensors stay: their bytes do not matter, and scales would cost more
 _MAX_KEPT_FRACTION = 0.75  # FP8 with its scales must keep at most this share of the bytes
-
-
-@dataclass(frozen=True)
-class SavedTensor:
-    """One tensor forward saves for backward: what it is, and how it is kept."""
-
-    name: str  # the forward graph's node
-    module: str  # module FQN of the op that made it
-    kind: str  # attention | norm | activation | other (fp8fx.core.policy.SAVED_KINDS)
-    shape: tuple[int, ...]
-    dtype: str  # as produced
-    kept_as: str  # "e4m3 rowwise", "e4m3 1x128", or the dtype it stays in
-    bytes_high: int  # bytes of its storage in the precision it was made in
-    bytes_kept: int  # bytes kept for backward (FP8 values and scales, or bytes_high)
-    reason: str  # where the choice came from (the policy entry), or why it stays
-
-    def to_dict(self) -> dict:
-        return {**self.__dict__, "shape": list(self.shape)}
 
 
 def _passes_through(node: fx.Node) -> bool:
@@ -110,13 +91,11 @@ def _attention_role(node: fx.Node) -> str | None:
     if root.target is operator.getitem and any(k in _name(root.args[0]) for k in _ATTENTION):
         return "data" if root.args[1] == 0 else "statistics"
     _, readers = _readers(_storage_root(node))
-    roles = [
-        "data" if position < 3 else "statistics"
-        for r in readers
-        if any(k in _name(r) for k in _ATTENTION)
-        for position, arg in enumerate(r.args)
-        if isinstance(arg, fx.Node) and _source(arg) is _source(node)
-    ]
+    roles = []
+    for r in readers:
+        if any(k in _name(r) for k in _ATTENTION):
+            given = [*enumerate(r.args), *r.kwargs.items()]  # q, k, v come first; a mask may come by name
+            roles += ["data" if where in (0, 1, 2) else "statistics" for where, arg in given if _reads(arg, node)]
     if not roles:
         return None
     return "data" if all(r == "data" for r in roles) else "statistics"
@@ -140,6 +119,10 @@ def _broadcast(node: fx.Node) -> bool:
                 following.append(r)
         frontier = following
     return False
+
+
+def _reads(arg, node: fx.Node) -> bool:
+    return isinstance(arg, fx.Node) and _source(arg) is _source(node)
 
 
 def classify(node: fx.Node) -> str:
@@ -187,7 +170,7 @@ def keep_saved_in_fp8(
         by_root.setdefault(_storage_root(node), []).append(node)
 
     records: dict[fx.Node, SavedTensor] = {}
-    chosen: dict[fx.Node, list[int]] = {}  # saved node -> the blocks of its scales
+    casts: dict[fx.Node, tuple[list[int], list[fx.Node]]] = {}  # node cast to FP8 -> (its blocks, saved views of it)
     for root, nodes in by_root.items():
         numel = _numel(root.meta["val"])
         if root.op == "placeholder" or (numel is not None and numel < _MIN_NUMEL):
@@ -200,7 +183,14 @@ def keep_saved_in_fp8(
         why = next((w for w in (_why_high(n, root in user_outputs) for n in nodes) if w), None)
         if why is None and precision is Precision.HIGH:
             why = f"the policy's {source}"
-        if why is None and sum(_fp8_bytes(n.meta["val"], block) for n in nodes) > _MAX_KEPT_FRACTION * high:
+        # Each view cast alone, or the storage cast once and viewed again in backward (an expanded
+        # K or V of grouped-query attention is larger than its storage): the fewer bytes.
+        plan = {n: (block, [n]) for n in nodes}
+        if why is None and nodes != [root] and _replayable(root, nodes) and _why_high(root, False) is None:
+            if _fp8_bytes(root.meta["val"], block) < sum(_fp8_bytes(n.meta["val"], block) for n in nodes):
+                plan = {root: (block, nodes)}
+        kept = sum(_fp8_bytes(n.meta["val"], block) for n in plan)
+        if why is None and kept > _MAX_KEPT_FRACTION * high:
             why = "too small for FP8 to save bytes (its scales)"
         total = sum(int(n.meta["val"].numel()) for n in nodes) if numel is not None else 1
         for node in nodes:
@@ -208,14 +198,31 @@ def keep_saved_in_fp8(
             dtype = str(v.dtype).removeprefix("torch.")
             share = high * int(v.numel()) // total if numel is not None else 0
             if why is None:
-                chosen[node] = block
-                kept_as, kept, reason = f"e4m3 {granularity.value}", _fp8_bytes(v, block), f"the policy's {source}"
+                kept_as, mine, reason = f"e4m3 {granularity.value}", kept * int(v.numel()) // total, f"the policy's {source}"
             else:
-                kept_as, kept, reason = dtype, share, why
-            records[node] = SavedTensor(node.name, module, kind, tuple(v.shape), dtype, kept_as, share, kept, reason)
-    if chosen:
-        _rewrite(forward, backward, outs, num_fwd_outputs, chosen)
+                kept_as, mine, reason = dtype, share, why
+            records[node] = SavedTensor(node.name, module, kind, tuple(v.shape), dtype, kept_as, share, mine, reason)
+        if why is None:
+            casts.update(plan)
+    if casts:
+        _rewrite(forward, backward, outs, num_fwd_outputs, casts)
     return [records[n] for n in saved if n in records]
+
+
+def _view_chain(root: fx.Node, node: fx.Node) -> list[fx.Node]:
+    """The views that make `node` from `root`, first to last."""
+    chain = []
+    while node is not root:
+        chain.append(node)
+        node = node.args[0]
+    return chain[::-1]
+
+
+def _replayable(root: fx.Node, nodes: list[fx.Node]) -> bool:
+    """Whether backward can take each of `nodes` from `root` again (views of constant arguments)."""
+    return all(
+        not any(isinstance(a, fx.Node) for a in (*v.args[1:], *v.kwargs.values())) for n in nodes for v in _view_chain(root, n)
+    )
 
 
 def _why_high(node: fx.Node, forward_output: bool) -> str | None:
@@ -248,40 +255,51 @@ def _fresh_name(graph: fx.Graph, base: str) -> str:
     return name
 
 
-def _rewrite(forward: fx.GraphModule, backward: fx.GraphModule, outs: list, num_fwd_outputs: int, chosen: dict) -> None:
+def _rewrite(forward: fx.GraphModule, backward: fx.GraphModule, outs: list, num_fwd_outputs: int, casts: dict) -> None:
+    """Forward casts each node of `casts` and saves the FP8 tensor and its scale inverses in place of
+    the saved views of it; backward widens it and takes the views again."""
     saved = [n for n in outs[num_fwd_outputs:] if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
     inputs = {p.name: p for p in backward.graph.find_nodes(op="placeholder")}
     missing = [n.name for n in saved if n.name not in inputs]
     if missing:  # (min-cut names backward's inputs after the forward values they receive)
         raise RuntimeError(f"fp8fx: saved_activations: backward has no input named for the saved tensors {missing}")
-    # Backward receives the saved tensors in forward's order, after the saved symbolic sizes: the
-    # scale inverses go after the last saved tensor, in both graphs.
-    anchor, last = inputs[saved[-1].name], outs.index(saved[-1], num_fwd_outputs) + 1
-    after = next(n for n in backward.graph.nodes if n.op != "placeholder")
-    fw_mode, inverses = fake_mode_of(forward.graph), []
-    for node, block in chosen.items():
+    # Backward receives the saved tensors in forward's order, after the saved symbolic sizes (which
+    # forward returns last): the scale inverses go after the last saved tensor, in both graphs.
+    anchor = inputs[saved[-1].name]
+    first_op = next(n for n in backward.graph.nodes if n.op != "placeholder")
+    fw_mode = fake_mode_of(forward.graph)
+    replaced: dict[fx.Node, fx.Node | None] = {}  # saved node -> what forward returns instead (None: nothing)
+    inverses = []
+    for node, (block, views) in casts.items():
         with forward.graph.inserting_before(node.next):
             amax = add_node(forward.graph, fw_mode, fp8fx_ops.amax.default, (node, block), tag_from=node)
             scale = add_node(forward.graph, fw_mode, fp8fx_ops.amax_to_scale.default, (amax, Fp8Format.E4M3.max, 0, False), tag_from=node)
             q = add_node(forward.graph, fw_mode, fp8fx_ops.cast.default, (node, scale, SAVED_DTYPE, block), tag_from=node)
             inverse = add_node(forward.graph, fw_mode, fp8fx_ops.scale_inverse.default, (scale,), tag_from=node)
-        outs[outs.index(node, num_fwd_outputs)] = q
         inverses.append(inverse)
+        first = min(views, key=saved.index)
+        replaced.update({v: None for v in views})
+        replaced[first] = q
 
-        wide = inputs[node.name]
-        with backward.graph.inserting_before(wide):
+        with backward.graph.inserting_before(inputs[first.name]):
             q_in = backward.graph.placeholder(_fresh_name(backward.graph, f"{node.name}_fp8"))
         with backward.graph.inserting_after(anchor):
             inverse_in = anchor = backward.graph.placeholder(_fresh_name(backward.graph, f"{node.name}_scale_inv"))
         q_in.meta["val"], inverse_in.meta["val"] = q.meta["val"], inverse.meta["val"]
-        with backward.graph.inserting_before(after):  # (moved to its first reader by recompute_at_first_use)
-            widened = add_node(
-                backward.graph, fw_mode, fp8fx_ops.widen.default, (q_in, inverse_in, wide.meta["val"].dtype, block), tag_from=wide
-            )
-        wide.replace_all_uses_with(widened)
-        backward.graph.erase_node(wide)
-    outs[last:last] = inverses
-    forward.graph.output_node().args = (tuple(outs),)
+        with backward.graph.inserting_before(first_op):  # (moved to its first reader by recompute_at_first_use)
+            dtype = node.meta["val"].dtype
+            widened = add_node(backward.graph, fw_mode, fp8fx_ops.widen.default, (q_in, inverse_in, dtype, block), tag_from=node)
+            for view in views:
+                value = widened
+                for step in _view_chain(node, view):
+                    value = backward.graph.node_copy(step, lambda a, prev=value, src=step.args[0]: prev if a is src else a)
+                wide = inputs[view.name]
+                wide.replace_all_uses_with(value)
+                backward.graph.erase_node(wide)
+    kept = [replaced.get(n, n) for n in outs[num_fwd_outputs:]]
+    kept = [n for n in kept if n is not None]
+    last = max(i for i, n in enumerate(kept) if isinstance(n.meta.get("val"), torch.Tensor)) + 1
+    forward.graph.output_node().args = ((*outs[:num_fwd_outputs], *kept[:last], *inverses, *kept[last:]),)
     for gm in (forward, backward):
         gm.graph.lint()
         gm.recompile()

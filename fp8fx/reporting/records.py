@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import asdict, replace
 from typing import Any
 
-from fp8fx.reporting import costmodel
+from fp8fx.reporting import costmodel, saved
 from fp8fx.reporting.op_record import OpRecord
 from fp8fx.reporting.uncaptured import Uncaptured, grouped
 
@@ -66,6 +66,7 @@ class Report:
         folded: dict[str, int] | None = None,
         non_gemm_bytes: dict[str, int] | None = None,
         saved_bytes: dict[str, int] | None = None,
+        saved_tensors: list[saved.SavedTensor] | None = None,
     ):
         self.ops = [op for op in ops if op.graph_state != "superseded"]
         self.superseded = [op for op in ops if op.graph_state == "superseded"]
@@ -76,6 +77,9 @@ class Report:
         # saves with every GEMM in high precision.
         self.non_gemm_bytes = dict(non_gemm_bytes or {})
         self.saved_bytes = saved_bytes
+        # With saved activations in FP8 (fp8fx.passes.saved_activations): every tensor forward
+        # saves besides parameters and inputs, and how it is kept.
+        self.saved_tensors = list(saved_tensors or [])
         self.saved_bytes_high_precision: int | None = None
         # Bytes of the trainable parameters a training step's optimizer updates (fp8fx.analyze sets
         # it with `train`); None: the predicted step has no optimizer step.
@@ -99,6 +103,7 @@ class Report:
             self.folded,
             self.non_gemm_bytes,
             self.saved_bytes,
+            self.saved_tensors,
         )
         new.saved_bytes_high_precision, new.param_bytes = self.saved_bytes_high_precision, self.param_bytes
         new.uncaptured, new.traced_on_real_tensors = list(self.uncaptured), self.traced_on_real_tensors
@@ -163,6 +168,7 @@ class Report:
                 if self.saved_bytes_high_precision is not None
                 else None
             ),
+            "saved_activations": saved.summary(self.saved_tensors),
             "uncaptured_weights": self.uncaptured_weights,
             "uncaptured_modules": [asdict(u) for u in self.uncaptured],
             "traced_on_real_tensors": self.traced_on_real_tensors,
@@ -205,6 +211,8 @@ class Report:
             return d
 
         out = {"schema": SCHEMA, "summary": self.summary(), "ops": [op_dict(op) for op in self.history]}
+        if self.saved_tensors:
+            out["saved_tensors"] = [t.to_dict() for t in self.saved_tensors]
         if self.monitor is not None:
             out["monitor"] = {key: [asdict(sample) for sample in samples] for key, samples in self.monitor.samples.items()}
         return out
@@ -294,6 +302,15 @@ class Report:
                     f" ({mib(s['saved_for_backward_bytes'] + s['fp8_saved_activation_bytes'])} with every GEMM in high precision)"
                 )
             lines.append(line)
+        if s["saved_activations"]:
+            a = s["saved_activations"]
+            layers = ", ".join(
+                f"{name} {mib(b['bytes_high'])} -> {mib(b['bytes_kept'])}" for name, b in a["per_layer"].items()
+            )
+            lines.append(
+                f"saved activations: {a['fp8_tensors']}/{a['tensors']} kept in FP8, {mib(a['bytes_high'])} -> "
+                f"{mib(a['bytes_kept'])} (per layer: {layers})"
+            )
         if self.step:
             ms = s["predicted_step_ms"]
             optimizer = f", optimizer {ms['optimizer']:.1f}" if self.param_bytes else ", no optimizer"
@@ -325,7 +342,16 @@ class Report:
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in [header, *rows]]
         lines.insert(1, "-" * min(160, max(len(line) for line in lines)))
-        return "\n".join([*lines, "", *self.summary_lines()])
+        return "\n".join([*lines, *self._saved_table(), "", *self.summary_lines()])
+
+    def _saved_table(self) -> list[str]:
+        """The saved tensors' table (after the GEMMs'), or nothing."""
+        if not self.saved_tensors:
+            return []
+        header, rows = saved.COLUMNS, saved.rows(self.saved_tensors)
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in [header, *rows]]
+        return ["", *lines[:1], "-" * min(160, max(len(line) for line in lines)), *lines[1:]]
 
     def markdown(self) -> str:
         """A GitHub-flavoured Markdown table, one row per GEMM, then the summary as a list."""
