@@ -227,7 +227,8 @@ def test_backward_casts_the_weights_again_with_the_scales_forward_saved(fp32_ste
 
 def test_compiled_casts_equal_the_ops_bit_for_bit():
     """Generated casts (shapes, dtypes, formats, granularities, margins, power-of-two and MX floor
-    scales, zeros, inf, NaN) in one compiled graph against the ops run eagerly."""
+    scales, zeros, inf, NaN), and the widening of what they cast, in one compiled graph against the
+    ops run eagerly."""
     rng, g = random.Random(SEED), torch.Generator().manual_seed(SEED)
     cases = [_cast_case(rng, g) for _ in range(10)]
 
@@ -236,14 +237,15 @@ def test_compiled_casts_equal_the_ops_bit_for_bit():
         for x, (fmt, block, margin, power_of_two, rounding) in zip(xs, [c[1] for c in cases]):
             amax = ops.amax(x, block)
             scale = ops.amax_to_scale(amax, fmt.max, margin, power_of_two, rounding)
-            out += [amax, scale, ops.cast(x, scale, fmt.dtype, block), ops.scale_inverse(scale)]
+            q, inverse = ops.cast(x, scale, fmt.dtype, block), ops.scale_inverse(scale)
+            out += [amax, scale, q, inverse, ops.widen(q, inverse, torch.bfloat16, block)]
         return out
 
     inputs = [c[0] for c in cases]
     compiled, code = lowered_by_inductor(chains, *inputs)
     assert fp8fx_calls(code) == []
     for i, (got, want) in enumerate(zip(compiled, chains(*inputs))):
-        what = f"case {i // 4} {cases[i // 4][1]} {['amax', 'scale', 'cast', 'scale_inverse'][i % 4]}"
+        what = f"case {i // 5} {cases[i // 5][1]} {['amax', 'scale', 'cast', 'scale_inverse', 'widen'][i % 5]}"
         assert got.dtype == want.dtype and got.shape == want.shape, what
         if got.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # the same bits, or NaN both (payloads may differ)
             nan = got.float().isnan() & want.float().isnan()

@@ -43,6 +43,14 @@ def test_saved_copy(layout):
     check_layout(ops.saved_copy, ops.saved_copy, (laid_out(torch.randn(2, 6, 5, 32), layout), torch.bfloat16), what=layout)
 
 
+@pytest.mark.parametrize("layout,block", list(itertools.product(LAYOUTS, ([1, 0], [1, 128]))))
+def test_widen(layout, block):
+    x = laid_out(torch.randn(2, 6, 40, 256), layout)
+    scale = ops.amax_to_scale(ops.amax(x, block), 448.0, 0, False)
+    q = ops.cast(x, scale, torch.float8_e4m3fn, block)
+    check_layout(ops.widen, ops.widen, (q, ops.scale_inverse(scale), torch.bfloat16, block), what=f"{layout} {block}")
+
+
 def test_delayed_scale_update():
     args = (torch.rand(8), torch.ones(()), torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64), torch.tensor(3.0))
     check_layout(ops.delayed_scale_update, ops.delayed_scale_update, (*args, 448.0, 0, False, False, 1))
