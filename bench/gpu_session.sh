@@ -1,17 +1,33 @@
 #!/usr/bin/env bash
-# One GPU session's measurements in one command, everything written under $OUT (./gpu-out without it):
-# 1. fp8fx selftest --quick (kernels against the CPU reference, GEMM timings, the dispatch table),
-#    when SELFTEST_S > 0: the fp8fx steps below then run each FP8 GEMM on the kernel it measured
-#    faster (kernels="auto"; fp8fx-<recipe>-scaled_mm keeps every GEMM on cuBLAS);
-# 2. bench/llama_gpu.py: BF16, torchao and fp8fx training steps of a Llama-3-8B-shaped model, each
-#    variant in its own process, with a profile of one step and Inductor's code (llama_code.tgz);
-# 3. bench/fusion_counts.py on the GPU: the memory passes fp8fx's and torchao's casts add, from the
-#    kernels Inductor's GPU backend made (tensorwise and rowwise), when FUSION_S > 0;
-# 4. bench/launch_overhead.py on the GPU: host time per generated-kernel GEMM call, beside
-#    torch._scaled_mm's, when LAUNCH_S > 0.
-# LLAMA_S and SELFTEST_S bound each stage in seconds; VARIANTS picks llama_gpu.py's variants,
-# LLAMA_ARGS adds options (e.g. "--model gpt3-6.7b --seq 2048"), TAG names this stage's files
-# (llama_gpu_<TAG>.json ...) so that several stages can write to one $OUT.
+# One GPU session's measurements in one command, about 8 minutes on an H100 or H200 (at most 9 by
+# the caps below), everything written under $OUT (./gpu-out without it). Stages in order of value,
+# each a bench/llama_gpu.py run (every variant in its own process with cold compile caches, the
+# bound of each FP8 variant, a profile of one step and Inductor's code in <stage>_code.tgz) capped
+# by `timeout`; <STAGE>_S=0 skips a stage. The estimates: a variant's first step (cold compile) as docs/results.md's runs
+# measured it, plus about 10 s for its process (imports, CUDA, steps, profile, bare GEMM timings).
+# 1. llama_gpu (LLAMA_S=280): Llama-3-8B layer shapes, 2 layers, 2 x 4096 tokens, AdamW. First steps
+#    in the fifth run (H100): bf16 24 s, fp8fx tensorwise 33, torchao tensorwise 31, fp8fx rowwise
+#    51, torchao rowwise 48; fp8fx delayed not yet run (guess 40): about 290 s with the processes,
+#    so the last variant (torchao rowwise, measured in four runs) is the one a slow machine loses.
+#    VARIANTS and LLAMA_ARGS (e.g. "--model gpt3-6.7b --seq 2048") change it, TAG names its files
+#    (llama_gpu_<TAG>.json ...).
+# 2. te_layer (TE_S=100): one GPT layer at TransformerEngine's benchmark shapes (hidden 4096, FFN
+#    16384, 32 heads, 4 x 4096 tokens), forward and backward, against TE's published 1.53x / 1.65x.
+#    Not run before; the GPT-3 2-layer step compiled in 14-23 s, one layer without embedding, loss
+#    or optimizer less: about 4 x 22 s.
+# 3. deep (DEEP_S=150): the Llama at 8 layers (26 GiB estimated; the run prints how many layers
+#    would fit), 2 warm-up + 5 timed steps. Compiles grow with depth (Dynamo unrolls the layers):
+#    on CPU 8 layers' first step took 1.4x (BF16) and 1.6x (fp8fx) 2 layers', so about 35 and 55 s
+#    here, 45 + 70 s with the processes.
+# Off unless given seconds:
+# - SELFTEST_S: fp8fx selftest --quick (kernel checks, GEMM timings, the dispatch table): 183 s on
+#   the H200's first run, and its table changes what kernels="auto" picks against the runs above.
+# - CUDAGRAPHS_S: every recipe under CUDA graphs (llama_gpu.py --variants cudagraphs) on a 1-layer
+#   hidden-512 Llama, 256 tokens: 10 small compiles, about 200 s.
+# - FUSION_S: bench/fusion_counts.py on the GPU (memory passes of fp8fx's and torchao's casts).
+# - LAUNCH_S: bench/launch_overhead.py on the GPU (host time per generated-kernel GEMM call).
+# BENCH_ARGS: options added to every stage (a dry run of this script on a CPU:
+# BENCH_ARGS="--device cpu --tiny --inner eager --steps 1 --warmup 1" bash bench/gpu_session.sh).
 # torchao (not in every GPU image) is installed from wheels in .whl/ when that folder exists.
 set -u
 out=${OUT:-gpu-out}
@@ -23,15 +39,29 @@ if [ -d .whl ]; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # fp8fx from this checkout
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee "$out/gpu.txt"
+
+# stage NAME SECONDS VARIANTS [llama_gpu.py options]: writes $out/NAME.json, NAME.log and NAME_code.tgz
+stage() {
+    local name=$1 seconds=$2 variants=$3
+    shift 3
+    [ "$seconds" -gt 0 ] || return 0
+    echo "== $name (at most $seconds s)"
+    # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
+    timeout "$seconds" python3 bench/llama_gpu.py --timeout 120 "$@" ${BENCH_ARGS:-} --variants "$variants" --save-code "/tmp/$name" \
+        --json "$out/$name.json" 2>&1 | tee "$out/$name.log"
+    tar czf "$out/${name}_code.tgz" -C /tmp "$name"
+}
+
 if [ "${SELFTEST_S:-0}" -gt 0 ]; then
     timeout "$SELFTEST_S" python3 -m fp8fx selftest --quick --out "$out/selftest.json" 2>&1 | tail -40 | tee "$out/selftest.log"
 fi
-variants=${VARIANTS:-bf16,fp8fx-tensorwise-auto,torchao-tensorwise,fp8fx-rowwise-auto,torchao-rowwise,fp8fx-tensorwise-scaled_mm}
-name=llama_gpu${TAG:+_$TAG}
 # shellcheck disable=SC2086  # LLAMA_ARGS is a list of options
-timeout "${LLAMA_S:-420}" python3 bench/llama_gpu.py ${LLAMA_ARGS:-} --variants "$variants" --timeout 120 --save-code "/tmp/$name" \
-    --json "$out/$name.json" 2>&1 | tee "$out/$name.log"
-tar czf "$out/${name}_code.tgz" -C /tmp "$name"
+stage "llama_gpu${TAG:+_$TAG}" "${LLAMA_S:-280}" \
+    "${VARIANTS:-bf16,fp8fx-tensorwise-auto,torchao-tensorwise,fp8fx-rowwise-auto,fp8fx-delayed-auto,torchao-rowwise}" ${LLAMA_ARGS:-}
+stage te_layer "${TE_S:-100}" bf16,fp8fx-tensorwise-auto,fp8fx-rowwise-auto,torchao-tensorwise --model te-layer --timeout 60
+stage deep "${DEEP_S:-150}" bf16,fp8fx-tensorwise-auto --layers 8 --warmup 2 --steps 5 --timeout 110
+stage cudagraphs "${CUDAGRAPHS_S:-0}" cudagraphs --layers 1 --hidden 512 --intermediate 1024 --heads 4 --kv-heads 2 --seq 256 --batch 1 \
+    --timeout 60
 if [ "${FUSION_S:-0}" -gt 0 ]; then
     timeout "$FUSION_S" python3 bench/fusion_counts.py --device cuda --recipes tensorwise,rowwise,torchao-tensorwise,torchao-rowwise \
         --json "$out/fusion_counts.json" 2>&1 | tail -8 | tee "$out/fusion_counts.log"

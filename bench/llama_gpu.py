@@ -1,9 +1,10 @@
 """Training steps of a `transformers` Llama on a GPU: fp8fx per recipe and kernel choice, beside BF16
 torch.compile and torchao float8 (tensorwise, rowwise).
 
-Run: python bench/llama_gpu.py [--model llama3-8b|gpt3-6.7b] [--layers 2 --seq 4096 --batch 2] [--recipes tensorwise,rowwise]
-     [--kernels auto,triton,scaled_mm] [--inner inductor|eager] [--variants bf16,fp8fx-rowwise-auto]
+Run: python bench/llama_gpu.py [--model llama3-8b|gpt3-6.7b|te-layer] [--layers 2 --seq 4096 --batch 2] [--recipes tensorwise,rowwise]
+     [--kernels auto,triton,scaled_mm] [--inner inductor|eager] [--variants bf16,fp8fx-rowwise-auto | --variants cudagraphs]
      [--steps 10 --warmup 3] [--json out.json] [--save-code DIR] [--memory]
+     python bench/llama_gpu.py --layers 8 --variants bf16,fp8fx-tensorwise-auto   # a deeper model (the estimate below says what fits)
      python bench/llama_gpu.py --device cpu --tiny --steps 2 --warmup 1 --inner eager   # smoke test
 
 The model is LlamaForCausalLM built from a LlamaConfig (no download), by default with Llama-3-8B's
@@ -11,31 +12,49 @@ layer shapes (hidden 4096, MLP 14336, 32 heads, 8 KV heads, head dim 128), 2 lay
 BF16 weights, SDPA attention, batch 2 x seq 4096. `--model gpt3-6.7b` builds GPT-3 6.7B's layer
 shapes instead (hidden 4096, MLP 16384 with GELU, 32 heads of 128, LayerNorm, biases, learned
 positions; vocab 50272) as transformers' OPTForCausalLM, whose projections are nn.Linear as
-torchao needs. Each step is forward with labels (the model's
+torchao needs. `--model te-layer` is one GPT layer at the shapes of TransformerEngine's published
+layer benchmark (hidden 4096, FFN 16384 with GELU, 32 heads, batch 4 x seq 4096: 16k tokens; `GptLayer`),
+stepped forward and backward on random activations with no loss and no optimizer, as TE times
+it; the table then sets TE's published speedups beside ours. Each step is otherwise forward with labels (the model's
 cross-entropy), backward and an AdamW (or SGD) step; every variant gets the same init and the
-same random token batches. Each variant runs in its own process (`--child`), with a fresh Inductor
+same random batches. Each variant runs in its own process (`--child`), with a fresh Inductor
 and Triton cache directory, so compiles are cold and a crash, an OOM or a timeout only fails its
 own row. Per variant: per-step and final loss, the first step (compile included, wall clock), the
 median of the timed steps after the warm-up steps (CUDA events), the peak memory of the timed steps
 (torch.cuda.max_memory_allocated, reset after warm-up), fp8fx's report summary (GEMMs in FP8, fused
 epilogues, memory passes added / saved, kernels), the fp8fx ops Inductor's generated code calls
 (only GEMMs cuBLAS cannot take as they are should be left; none on CPU) and its `_scaled_mm`
-calls, one more step under torch.profiler (kernels launched, host time, the kernels with the most
+calls, one more step under torch.profiler (kernels launched, host time, GEMM time, the kernels with the most
 GPU time), and the speedup and memory ratio to BF16 from the same run. BF16 and torchao use
 `torch.compile` with the same inner compiler as fp8fx ("inductor", or "aot_eager" for --inner eager). Recipes this GPU cannot run are rows marked skipped. Under
 torch.compile before torch 2.14, transformers hands SDPA an explicit causal mask (so no flash
 attention), in every variant alike.
+
+The bound (issue 49): what the step would take with every FP8 GEMM at its bare cuBLAS time and
+casts that cost nothing, and each FP8 variant's fraction of it (bound / measured step; 1.0 would
+leave nothing to gain but faster GEMMs). It is the BF16 step without its GEMMs (its measured step
+less the GEMM time of its profiled step, `gemm_ms`: what FP8 leaves as it is, attention, norms,
+elementwise ops, loss, optimizer and idle gaps), plus each GEMM of the FP8 variant's report timed
+bare in the variant's own process (`gemm_bound`): FP8 GEMMs through `torch._scaled_mm` as fp8fx
+calls it, high-precision ones as BF16 `torch.matmul`. A torchao row takes the bound of fp8fx's
+recipe of the same name (the same GEMMs). Bare GEMMs are timed on their own with a cold L2 and in
+one layout, so the in-step GEMMs may take longer; `gemm_bf16_ms` (every GEMM bare in BF16) beside
+the BF16 step's `gemm_ms` shows by how much.
 
 Variant names: bf16 (the baseline in --dtype, without FP8), torchao-tensorwise, torchao-rowwise,
 fp8fx-<recipe>-<kernels> (the backend's defaults otherwise), and fp8fx-<recipe>-<kernels>-keep (backend
 option weight_fp8="keep": backward reads the FP8 copies of the weights forward made, where the default
 casts them again under dynamic scaling). Any name may end
 in -cudagraphs: Inductor then runs the compiled graphs as CUDA graphs (its `triton.cudagraphs`
-option, what mode="reduce-overhead" sets; no effect on CPU or with --inner eager).
+option, what mode="reduce-overhead" sets; no effect on CPU or with --inner eager). `--variants
+cudagraphs` is BF16 and every fp8fx recipe under CUDA graphs.
+Before the variants run, an estimate of the step's peak memory (`memory_estimate`) and, on a GPU,
+how many layers would fit in it.
 Output: a Markdown table on stdout, progress on stderr, JSON to --json (default $OUT/llama_gpu.json
 when OUT is set). Exit code 0 when every variant not skipped ran, 1 otherwise, 2 without a CUDA GPU.
 On CPU (--device cpu) FP8 is emulated (torchao with emulate=True), steps are timed with
-time.perf_counter, peak memory is not measured and the kernel choice does not apply (default auto).
+time.perf_counter, peak memory is not measured and the kernel choice does not apply (default auto);
+the bound's code runs, its numbers mean nothing.
 Needs the bench extra (transformers, torchao).
 """
 
@@ -44,6 +63,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -59,12 +79,16 @@ import time
 import traceback
 
 import torch
+import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
+from torch.autograd import DeviceType
 
 import fp8fx
 from fp8fx.codegen import dispatch
-from fp8fx.codegen.variants import arch_of
+from fp8fx.codegen.variants import GemmVariant, arch_of
+from fp8fx.core.formats import Fp8Format
 from fp8fx.core.recipes import RECIPES
+from fp8fx.ops.gemm_bench import COMPILE_REP_MS, COMPILE_WARMUP_MS, VariantUse, cuda_bench, run_scaled_mm, time_kernels
 
 # torch.compile backend of the BF16 and torchao runs, by fp8fx inner compiler.
 PLAIN_BACKEND = {"inductor": "inductor", "eager": "aot_eager"}
@@ -74,9 +98,12 @@ TORCHAO_RECIPES = ("tensorwise", "rowwise")
 RECIPE_NEEDS = {"nvfp4": ("sm_100a", "needs sm_100 (Blackwell's FP4 tensor cores)")}
 SHAPES = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "seq", "batch")
 LLAMA3_8B = dict(layers=2, hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=32768, seq=4096, batch=2)
-TINY = dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=128, seq=32, batch=2)
 GPT3_6_7B = dict(LLAMA3_8B, intermediate=16384, kv_heads=32, vocab=50272)  # OPT's vocabulary (a multiple of 16)
-MODELS = {"llama3-8b": LLAMA3_8B, "gpt3-6.7b": GPT3_6_7B}
+# TransformerEngine's published layer benchmark (H100): one layer, 16k tokens; no vocabulary
+TE_LAYER = dict(GPT3_6_7B, layers=1, vocab=0, batch=4)
+TE_PUBLISHED = "TransformerEngine's published figures for this layer (H100): FP8 Linear 1.53x BF16, fused TransformerLayer 1.65x"
+MODELS = {"llama3-8b": LLAMA3_8B, "gpt3-6.7b": GPT3_6_7B, "te-layer": TE_LAYER}
+TINY = dict(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=128, seq=32, batch=2)  # the model's layers
 CUDAGRAPHS = "-cudagraphs"
 
 
@@ -102,6 +129,12 @@ def parse_variant(name: str) -> tuple[str, str | None, str | None]:
 def default_variants(args) -> list[str]:
     torchao = [f"torchao-{r}" for r in TORCHAO_RECIPES]
     return ["bf16", *torchao, *(f"fp8fx-{r}-{k}" for r in args.recipes for k in args.kernels)]
+
+
+def cudagraph_variants() -> list[str]:
+    """`--variants cudagraphs`: every fp8fx recipe under CUDA graphs (a recipe this GPU cannot run is
+    a skipped row), beside BF16 with and without them."""
+    return ["bf16", f"bf16{CUDAGRAPHS}", *(f"fp8fx-{r}-auto{CUDAGRAPHS}" for r in RECIPES)]
 
 
 def skip_reason(name: str, env: dict) -> str:
@@ -155,9 +188,34 @@ def dispatch_table_of(gpu: str) -> dict | None:
 # --- the child: one variant's training run ---------------------------------------------------------
 
 
+class GptLayer(torch.nn.Module):
+    """A GPT layer as TransformerEngine's TransformerLayer computes it (without dropout): pre-LayerNorm,
+    fused QKV projection with biases, causal attention (SDPA: flash attention on a GPU), output
+    projection, MLP with TE's (tanh) GELU, residual adds. fp8fx.tools.demo's Block writes its
+    attention as matmuls, which TE's layer does not."""
+
+    def __init__(self, hidden: int, ffn: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+        self.qkv, self.proj = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
+        self.fc1, self.fc2 = torch.nn.Linear(hidden, ffn), torch.nn.Linear(ffn, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
+
+
 def build_model(args, device: torch.device) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
+    torch.manual_seed(args.seed)  # the same init in every variant's process
+    if args.model == "te-layer":
+        with device:
+            model = torch.nn.Sequential(*(GptLayer(args.hidden, args.intermediate, args.heads) for _ in range(args.layers)))
+        return model.to(getattr(torch, args.dtype)).train()
     if args.model == "gpt3-6.7b":
         cls, cfg = OPTForCausalLM, OPTConfig(
             hidden_size=args.hidden, ffn_dim=args.intermediate, num_hidden_layers=args.layers, num_attention_heads=args.heads,
@@ -170,14 +228,19 @@ def build_model(args, device: torch.device) -> torch.nn.Module:
             num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
             vocab_size=args.vocab, max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa", use_cache=False,
         )  # fmt: skip
-    torch.manual_seed(args.seed)  # the same init in every variant's process
     with device:  # built on the device: an 8B-shaped layer is slow to initialise on the CPU
         model = cls(cfg)
     return model.to(getattr(torch, args.dtype)).train()
 
 
-def token_batches(args, device: torch.device) -> list[torch.Tensor]:
-    """warmup + steps random batches, drawn from their own generator: identical in every variant."""
+def token_batches(args, device: torch.device) -> list:
+    """warmup + steps random batches, drawn from their own generator: identical in every variant.
+    te-layer: one (activations, output gradient) pair for every step, as TE's benchmark reuses its input."""
+    if args.model == "te-layer":
+        gen = torch.Generator(device).manual_seed(args.seed + 1)  # drawn on the device: 2 x 16k x 4096 values
+        x, grad = (torch.randn(args.batch, args.seq, args.hidden, generator=gen, device=device) for _ in range(2))
+        dtype = getattr(torch, args.dtype)
+        return [(x.to(dtype).requires_grad_(), grad.to(dtype))] * (args.warmup + args.steps)
     gen = torch.Generator().manual_seed(args.seed + 1)
     shape = (args.batch, args.seq)
     return [torch.randint(0, args.vocab, shape, generator=gen).to(device) for _ in range(args.warmup + args.steps)]
@@ -200,15 +263,25 @@ def compile_variant(model: torch.nn.Module, name: str, args):
     return torch.compile(model, backend=PLAIN_BACKEND[args.inner])
 
 
-def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer | None:
+    if args.model == "te-layer":  # forward and backward only, as TE times its layer
+        return None
     if args.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=args.lr)
     return torch.optim.AdamW(model.parameters(), lr=args.lr)
 
 
-def train_step(compiled, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
+def train_step(compiled, opt: torch.optim.Optimizer | None, batch) -> torch.Tensor:
     torch.compiler.cudagraph_mark_step_begin()  # (with CUDA graphs: each step is a new iteration)
-    loss = compiled(input_ids=tokens, labels=tokens).loss
+    if opt is None:  # te-layer: the layer's forward and backward from a given output gradient
+        x, grad = batch
+        out = compiled(x)
+        out.backward(grad)
+        x.grad = None
+        compiled.zero_grad(set_to_none=True)  # no gradient accumulation kernels
+        # No loss to log: the last position's mean square, which every weight reaches, compared across variants.
+        return out[:, -1].detach().float().square().mean()
+    loss = compiled(input_ids=batch, labels=batch).loss
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -277,6 +350,7 @@ def run_variant(name: str, args) -> dict:
     if parse_variant(name)[0] == "fp8fx":
         report = fp8fx.report(compiled)
         out.update(fp8fx_report=report.summary(), fp8fx_report_lines=report.summary_lines())
+        out.update(gemm_bound(report, device, getattr(torch, args.dtype)))
         if args.inner == "inductor":
             out["fp8fx_ops_called"] = fp8fx_ops_called(code)
             out["scaled_mm_called"] = len(re.findall(r"extern_kernels\._scaled_mm\(|aten\._scaled_mm\.default\(", "\n".join(code)))
@@ -336,10 +410,34 @@ def allocation_site(frames: list[dict]) -> str:
     return f"{os.path.basename(frame['filename'])}:{frame['line']} {frame['name']}: {source[:160]}"
 
 
-def profile_step(step, tokens: torch.Tensor, cuda: bool, top: int = 15) -> dict:
+# The ops that run a GEMM: aten's (what Inductor's code calls) and fp8fx's.
+GEMM_OP = re.compile(
+    r"aten::(mm|addmm|bmm|baddbmm|_scaled_mm(_v2)?|_scaled_grouped_mm(_v2)?|_grouped_mm)|fp8fx::(fp8_gemm|scaled_mm|fp8_grouped_mm)"
+)
+
+
+def gemm_ms(events, cuda: bool) -> float:
+    """The GEMMs' time in a profiled step: the device time of the kernels each GEMM op launched (on
+    CPU, the op's own time), counting a GEMM op inside another one, or inside attention (a math
+    SDPA's bmm), not at all."""
+
+    def counted(e) -> bool:
+        parent = e.cpu_parent
+        while parent is not None:
+            if GEMM_OP.fullmatch(parent.name) or "attention" in parent.name:
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    gemms = [e for e in events if e.device_type == DeviceType.CPU and GEMM_OP.fullmatch(e.name) and counted(e)]
+    return sum(e.device_time_total if cuda else e.cpu_time_total for e in gemms) / 1000
+
+
+def profile_step(step, tokens, cuda: bool, top: int = 15) -> dict:
     """One more step under torch.profiler: where its time goes. Kernels launched, the host's wall
-    time for the step (launch-bound when close to the device time), and the kernels (or, on CPU, the
-    ops) with the most self time."""
+    time for the step (launch-bound when close to the device time), its GEMMs' time (`gemm_ms`;
+    under CUDA graphs the profiler sees no ops: 0), and the kernels (or, on CPU, the ops) with the
+    most self time."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
@@ -350,13 +448,72 @@ def profile_step(step, tokens: torch.Tensor, cuda: bool, top: int = 15) -> dict:
         step(tokens)
         host_ms = 1000 * (time.perf_counter() - t0)
         sync()
-    # On a GPU the entries with device self time are the kernels (and copies); the ops launching them have none.
+    # On a GPU an op that launched kernels carries their time too (aten::copy_ beside its kernel):
+    # the top rows show both, the sums count the device's entries (kernels and copies) alone.
     self_ms = (lambda e: e.self_device_time_total / 1000) if cuda else (lambda e: e.self_cpu_time_total / 1000)
     rows = sorted((e for e in prof.key_averages() if self_ms(e) > 0), key=lambda e: -self_ms(e))
+    kernels = [e for e in rows if e.device_type == DeviceType.CUDA] if cuda else rows
     return dict(
-        host_ms=host_ms, kernels=sum(e.count for e in rows) if cuda else None, busy_ms=sum(map(self_ms, rows)),
-        top=[dict(name=e.key[:120], ms=round(self_ms(e), 3), count=e.count) for e in rows[:top]],
-    )
+        host_ms=host_ms, kernels=sum(e.count for e in kernels) if cuda else None, busy_ms=sum(map(self_ms, kernels)),
+        gemm_ms=gemm_ms(prof.events(), cuda), top=[dict(name=e.key[:120], ms=round(self_ms(e), 3), count=e.count) for e in rows[:top]],
+    )  # fmt: skip
+
+
+# The report's ops `gemm_ms` counts as GEMMs (attention and convolutions are the step's other work).
+TIMED_OPS = ("mm", "addmm", "bmm", "baddbmm")
+
+
+def gemm_bound(report, device: torch.device, dtype: torch.dtype) -> dict:
+    """Each GEMM of the step (a row of fp8fx's report) timed bare in this process, for the bound:
+    `gemms` (one row each: bf16_ms, and fp8_ms for an FP8 GEMM), `gemm_bound_ms` (FP8 GEMMs at
+    their FP8 time, the others at BF16's; None if one could not be timed) and `gemm_bf16_ms` (all
+    in BF16). Each distinct GEMM is timed once."""
+    bench = functools.partial(cuda_bench, warmup=COMPILE_WARMUP_MS, rep=COMPILE_REP_MS) if device.type == "cuda" else cpu_ms
+    measured: dict[tuple, dict] = {}
+    rows = []
+    for op in report.ops:
+        if op.op in TIMED_OPS:
+            key = (op.precision, op.formats, op.blocks, op.fast_accum, op.batch, op.m, op.n, op.k)
+            if key not in measured:
+                measured[key] = time_gemm(op, device, dtype, bench)
+            rows.append(dict(site=op.site, role=op.role, precision=op.precision, batch=op.batch, m=op.m, n=op.n, k=op.k, **measured[key]))
+
+    def total(times: list) -> float | None:
+        return None if None in times else sum(times)
+
+    return dict(
+        gemms=rows, gemm_bf16_ms=total([r["bf16_ms"] for r in rows]),
+        gemm_bound_ms=total([r["fp8_ms"] if r["precision"] == "fp8" else r["bf16_ms"] for r in rows]),
+    )  # fmt: skip
+
+
+def time_gemm(op, device: torch.device, dtype: torch.dtype, bench) -> dict:
+    """One report row's GEMM timed bare: bf16_ms as `torch.matmul` in `dtype`, and for an FP8 GEMM
+    fp8_ms as fp8fx's cuBLAS path runs it (fp8fx.ops.gemm_bench's `torch._scaled_mm` runner on its
+    quantized inputs; MX blocks, which cuBLAS takes on Blackwell only, run the generated kernel),
+    with `error` when it could not be timed. Every role in a forward GEMM's layout (a row-major,
+    b column-major)."""
+    if not all(isinstance(d, int) for d in (op.batch, op.m, op.n, op.k)):
+        return dict(bf16_ms=None, fp8_ms=None, error=f"dynamic shape {op.batch} x {op.m} x {op.n} x {op.k}")
+    with torch.no_grad():
+        a = torch.randn(op.batch, op.m, op.k, device=device, dtype=dtype).squeeze(0)
+        b = torch.randn(op.batch, op.n, op.k, device=device, dtype=dtype).transpose(-1, -2).squeeze(0)
+        out = dict(bf16_ms=bench(lambda: torch.matmul(a, b)), fp8_ms=None)
+        if op.precision != "fp8":
+            return out
+        if op.batch != 1:
+            return dict(out, error="batched FP8 GEMMs are not timed")
+        dtypes = [Fp8Format(f).dtype for f in op.formats]
+        variant = GemmVariant(*dtypes, block_a=tuple(op.blocks[0]), block_b=tuple(op.blocks[1]), fast_accum=bool(op.fast_accum))
+        times, errors = time_kernels(VariantUse(variant, ()), op.m, op.n, op.k, device, bench, {"scaled_mm": run_scaled_mm})
+    return dict(out, fp8_ms=times["scaled_mm"], **({"error": "; ".join(errors.values())} if errors else {}))
+
+
+def cpu_ms(fn) -> float:
+    """One call's milliseconds (the CPU smoke test runs the code path; its numbers mean nothing)."""
+    t0 = time.perf_counter()
+    fn()
+    return 1000 * (time.perf_counter() - t0)
 
 
 def fp8fx_ops_called(code: list[str]) -> dict[str, int]:
@@ -403,6 +560,9 @@ def launch(name: str, args) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)  # its own session: the child and its compile workers
             output = proc.communicate()[0]
             failure = "Timeout", f"killed after {args.timeout:g} s"
+        except BaseException:  # this process stopped (parent's SIGTERM): no child left running on the GPU
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
         if os.path.exists(result):  # (also when it hung after writing it)
             with open(result) as f:
                 return json.load(f)
@@ -420,6 +580,39 @@ def add_ratios(rows: list[dict]) -> None:
         r["memory_vs_bf16"] = r["peak_memory_bytes"] / base["peak_memory_bytes"] if mem else None
 
 
+def add_bounds(rows: list[dict]) -> None:
+    """Each FP8 row's bound and its fraction of it (bound / step; the module's docstring says how),
+    from this run's BF16 row; a torchao row takes the GEMMs of fp8fx's recipe of the same name."""
+    base = next((r for r in rows if r["name"] == "bf16" and r["status"] == "ok"), None)
+    by_recipe = {r["recipe"]: r["gemm_bound_ms"] for r in rows if r["kind"] == "fp8fx" and r.get("gemm_bound_ms") is not None}
+    for r in rows:
+        gemms = r.get("gemm_bound_ms") if r["kind"] == "fp8fx" else by_recipe.get(r["recipe"]) if r["kind"] == "torchao" else None
+        ok = base is not None and r["status"] == "ok" and gemms is not None
+        r["bound_ms"] = base["step_ms"] - base["profile"]["gemm_ms"] + gemms if ok else None
+        r["fraction_of_bound"] = r["bound_ms"] / r["step_ms"] if ok else None
+
+
+def memory_estimate(args) -> dict:
+    """An upper estimate of a step's peak memory in bytes: weights, their gradients and AdamW's two
+    moments (in --dtype); the activations autograd saves, per token and layer 6 hidden-wide tensors,
+    k and v, and 3 MLP-wide ones (in --dtype); the logits with their fp32 copy and its gradient.
+    It counts every gradient and every saved activation alive at once, which no step reaches: 9.9
+    GiB for the 2-layer Llama-3-8B step whose BF16 peak measured 8.00 GiB (docs/results.md). Returns
+    the parameter count, `bytes`, and its `fixed_bytes` and `layer_bytes` (bytes = fixed + layers x layer)."""
+
+    def params(layers: int) -> int:
+        shapes_only = build_model(argparse.Namespace(**{**vars(args), "layers": layers}), torch.device("meta"))
+        return sum(p.numel() for p in shapes_only.parameters())
+
+    size = getattr(torch, args.dtype).itemsize
+    per_param = size * (2 if args.model == "te-layer" or args.optimizer == "sgd" else 4)
+    tokens = args.batch * args.seq
+    saved = tokens * size * (6 * args.hidden + 2 * args.kv_heads * args.head_dim + 3 * args.intermediate)
+    p0, p1 = params(0), params(1)
+    fixed, layer = per_param * p0 + tokens * args.vocab * (size + 8), per_param * (p1 - p0) + saved
+    return dict(params=p0 + args.layers * (p1 - p0), bytes=fixed + args.layers * layer, fixed_bytes=fixed, layer_bytes=layer)
+
+
 def fmt(x, spec: str, scale: float = 1.0) -> str:
     return "-" if x is None else format(x * scale, spec)
 
@@ -433,14 +626,15 @@ def status_text(r: dict) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("variant", "status", "final loss", "step ms", "speedup", "first step s", "peak GiB", "mem / bf16",
+    head = ("variant", "status", "final loss", "step ms", "speedup", "bound ms", "of bound", "first step s", "peak GiB", "mem / bf16",
             "FP8 GEMMs", "fused", "passes +/-", "fp8fx ops in code")  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
     for r in rows:
         s = r.get("fp8fx_report") or {}
         cells = [
             r["name"], status_text(r).replace("|", "\\|"), fmt(r.get("final_loss"), ".4f"), fmt(r.get("step_ms"), ".1f"),
-            fmt(r.get("speedup_vs_bf16"), ".2f") + ("x" if r.get("speedup_vs_bf16") else ""), fmt(r.get("first_step_s"), ".1f"),
+            fmt(r.get("speedup_vs_bf16"), ".2f") + ("x" if r.get("speedup_vs_bf16") else ""), fmt(r.get("bound_ms"), ".1f"),
+            fmt(r.get("fraction_of_bound"), ".2f"), fmt(r.get("first_step_s"), ".1f"),
             fmt(r.get("peak_memory_bytes"), ".2f", 2**-30), fmt(r.get("memory_vs_bf16"), ".2f"),
             f"{s['fp8_gemms']}/{s['gemms']}" if s else "-", str(s["fused_epilogues"]) if s else "-",
             f"+{s['memory_passes_added']}/-{s['memory_passes_saved']}" if s else "-",
@@ -450,20 +644,27 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_json(args, env: dict, rows: list[dict]) -> bool:
+def write_json(args, env: dict, estimate: dict, rows: list[dict]) -> None:
     if not args.json:
-        return False
+        return
     config = {k: v for k, v in vars(args).items() if k not in ("child", "result", "json")}
     with open(args.json, "w") as f:
-        json.dump(dict(env=env, config=config, variants=rows), f, indent=2, default=str)
-    return True
+        json.dump(dict(env=env, config=config, memory_estimate=estimate, variants=rows), f, indent=2, default=str)
 
 
 def parent(args) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("llama_gpu.py: no CUDA GPU found (torch.cuda.is_available() is False); use --device cpu --tiny", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # launch then stops the variant's process
     env = environment(args.device)
+    estimate = memory_estimate(args)
+    if env["gpu"]:
+        total = torch.cuda.get_device_properties(0).total_memory
+        estimate.update(gpu_bytes=total, layers_that_fit=(total - estimate["fixed_bytes"]) // estimate["layer_bytes"])
+    fit = f"; {estimate['layers_that_fit']} layers would fit in this GPU's {estimate['gpu_bytes'] / 2**30:.0f} GiB" if env["gpu"] else ""
+    print(f"memory estimate: {estimate['bytes'] / 2**30:.1f} GiB for {args.layers} layers, {estimate['params'] / 1e9:.2f} B parameters{fit}",
+          flush=True)  # fmt: skip
     rows = []
     for name in args.variants or default_variants(args):
         kind, recipe, kernels = parse_variant(name)
@@ -471,19 +672,23 @@ def parent(args) -> int:
         reason = skip_reason(name, env)
         if reason:
             rows.append(dict(row, status="skipped", reason=reason))
-            continue
-        print(f"{name} ...", end=" ", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        rows.append(dict(row, **launch(name, args), wall_s=time.perf_counter() - t0))
-        print(f"{rows[-1]['status']} ({rows[-1]['wall_s']:.0f} s)", file=sys.stderr, flush=True)
-        write_json(args, env, rows)  # after each variant: a run cut short keeps what it measured
-    add_ratios(rows)
+        else:
+            print(f"{name} ...", end=" ", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            rows.append(dict(row, **launch(name, args), wall_s=time.perf_counter() - t0))
+            print(f"{rows[-1]['status']} ({rows[-1]['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+        add_ratios(rows)
+        add_bounds(rows)
+        write_json(args, env, estimate, rows)  # after each variant: a run cut short keeps what it measured
     where = f"{env['gpu']} (sm_{env['capability'].replace('.', '')})" if env["gpu"] else "CPU"
+    step = "forward + backward, no optimizer" if args.model == "te-layer" else args.optimizer
     print(f"{args.model} shapes: {args.layers} layers, hidden {args.hidden}, MLP {args.intermediate}, {args.heads} heads / {args.kv_heads} KV "
-          f"x {args.head_dim}, vocab {args.vocab}, batch {args.batch} x seq {args.seq}, {args.dtype}, {args.optimizer}; "
+          f"x {args.head_dim}, vocab {args.vocab}, batch {args.batch} x seq {args.seq}, {args.dtype}, {step}; "
           f"{args.warmup} warm-up + {args.steps} timed steps, inner={args.inner}; {where}, torch {env['torch']}\n")  # fmt: skip
+    if args.model == "te-layer":
+        print(TE_PUBLISHED + "\n")
     print(markdown(rows))
-    if write_json(args, env, rows):
+    if args.json:
         print(f"\nwrote {args.json}", file=sys.stderr)
     return 0 if all(r["status"] != "error" for r in rows) else 1
 
@@ -499,15 +704,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama3-8b", choices=list(MODELS), help="whose layer shapes (and architecture) the model has")
     for key in SHAPES:
-        ap.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"default: --model's ({TINY[key]} with --tiny)")
-    ap.add_argument("--tiny", action="store_true", help="a tiny Llama (hidden 64, seq 32, vocab 128) for a CPU smoke test")
+        tiny = f" ({TINY[key]} with --tiny)" if key in TINY else ""
+        ap.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"default: --model's{tiny}")
+    ap.add_argument("--tiny", action="store_true", help="the model tiny (hidden 64, seq 32, vocab 128) for a CPU smoke test")
     ap.add_argument("--steps", type=int, default=10, help="timed steps, after the warm-up steps")
     ap.add_argument("--warmup", type=int, default=3, help="warm-up steps, the first (compile) included; at least 1")
     ap.add_argument("--recipes", type=csv, default=list(RECIPES),
                     help="fp8fx recipes (default: all; a recipe the GPU cannot run is a skipped row)")
     ap.add_argument("--kernels", type=csv, help="fp8fx kernels choices (default auto,triton,scaled_mm on CUDA, auto on CPU)")
     ap.add_argument("--inner", default="inductor", choices=list(PLAIN_BACKEND))
-    ap.add_argument("--variants", type=csv, help="run only these variants (comma-separated names)")
+    ap.add_argument("--variants", type=csv, help="run only these variants (comma-separated names; cudagraphs: every recipe under CUDA graphs)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="weights' dtype (default bfloat16, float32 on CPU)")
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
@@ -520,10 +726,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    defaults = TINY if args.tiny else MODELS[args.model]
+    defaults = {**MODELS[args.model], **(TINY if args.tiny else {})}
     for key in SHAPES:
         if getattr(args, key) is None:
             setattr(args, key, defaults[key])
+    if args.model == "te-layer":  # GPT layers: every head has its K and V, and there is no vocabulary
+        args.kv_heads, args.vocab = args.heads, 0
+    if args.variants == ["cudagraphs"]:
+        args.variants = cudagraph_variants()
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     args.kernels = args.kernels or (["auto", "triton", "scaled_mm"] if args.device == "cuda" else ["auto"])
     if args.json is None and os.environ.get("OUT") and not args.child:

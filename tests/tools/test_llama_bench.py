@@ -1,5 +1,7 @@
 """bench/llama_gpu.py's CPU smoke test: a tiny Llama, BF16 beside one fp8fx recipe, each variant in
-its own process (inner="eager": no Inductor compile), read back from the JSON it writes."""
+its own process (inner="eager": no Inductor compile), read back from the JSON it writes; the TE-shaped
+layer, the bound, the variant sets and the memory estimate. On CPU the timings mean nothing: the
+tests check that the code paths run and fit together."""
 
 from __future__ import annotations
 
@@ -10,6 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from fp8fx.core.recipes import RECIPES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,7 +35,53 @@ def test_llama_bench_tiny_on_cpu(tmp_path):
     summary = rows["fp8fx-tensorwise-auto"]["fp8fx_report"]
     assert summary["fp8_gemms"] >= 1, summary
     assert rows["bf16"]["speedup_vs_bf16"] == 1.0
-    assert "| fp8fx-tensorwise-auto | ok |" in run.stdout
+    assert "| fp8fx-tensorwise-auto | ok |" in run.stdout and "memory estimate:" in run.stdout
+    # The bound: the BF16 step's profiled GEMMs, and each GEMM of the FP8 step's report timed bare.
+    assert rows["bf16"]["profile"]["gemm_ms"] > 0 and rows["bf16"]["fraction_of_bound"] is None
+    fp8 = rows["fp8fx-tensorwise-auto"]
+    assert len(fp8["gemms"]) == summary["fp8_gemms"] == sum(g["fp8_ms"] is not None for g in fp8["gemms"])  # the tiny Llama's GEMMs are all FP8
+    assert fp8["bound_ms"] == pytest.approx(rows["bf16"]["step_ms"] - rows["bf16"]["profile"]["gemm_ms"] + fp8["gemm_bound_ms"])
+    assert fp8["fraction_of_bound"] == pytest.approx(fp8["bound_ms"] / fp8["step_ms"])
+
+
+def test_te_layer_and_the_bound_in_process():
+    """The TE-shaped layer (forward and backward, no optimizer) under BF16 and fp8fx, run in this
+    process, and the bound from their rows."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import llama_gpu
+
+    args = llama_gpu.parse_args(["--device", "cpu", "--tiny", "--model", "te-layer", "--steps", "1", "--warmup", "1", "--inner", "eager"])
+    assert (args.layers, args.kv_heads, args.vocab) == (1, args.heads, 0)
+    rows = [dict(name=n, kind=n.split("-")[0], recipe="tensorwise", status="ok", **llama_gpu.run_variant(n, args))
+            for n in ("bf16", "fp8fx-tensorwise-auto")]  # fmt: skip
+    assert llama_gpu.make_optimizer(torch.nn.Linear(2, 2), args) is None
+    bf16, fp8 = rows
+    assert bf16["losses"] == pytest.approx(fp8["losses"], rel=0.05)  # one batch, no optimizer: the same output each step
+    report = fp8["fp8fx_report"]
+    assert (report["fp8_gemms"], report["gemms"]) == (12, 14)  # qkv, proj, fc1, fc2 x 3 in FP8; attention's two rows high
+    assert {g["site"] for g in fp8["gemms"]} == {"0.qkv", "0.proj", "0.fc1", "0.fc2"}  # attention is not a GEMM of the bound
+    llama_gpu.add_ratios(rows)
+    llama_gpu.add_bounds(rows)
+    assert fp8["fraction_of_bound"] > 0 and bf16["bound_ms"] is None
+    assert llama_gpu.memory_estimate(args)["params"] == sum(p.numel() for p in llama_gpu.build_model(args, torch.device("meta")).parameters())
+
+
+def test_variant_sets_and_memory_estimate():
+    """`--variants cudagraphs` names every recipe under CUDA graphs (a Hopper GPU skips NVFP4), and
+    the memory estimate bounds the 2-layer step's measured BF16 peak (8.00 GiB) from above and fits
+    8 layers on an H200 (139 GiB) and an H100 (79 GiB)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import llama_gpu
+
+    args = llama_gpu.parse_args(["--variants", "cudagraphs"])
+    assert args.variants[:2] == ["bf16", "bf16-cudagraphs"]
+    assert {llama_gpu.parse_variant(v)[1] for v in args.variants[2:]} == set(RECIPES)
+    hopper = dict(torchao="0.18", target="sm_90a", capability="9.0")
+    assert [v for v in args.variants if llama_gpu.skip_reason(v, hopper)] == ["fp8fx-nvfp4-auto-cudagraphs"]
+    two = llama_gpu.memory_estimate(args)
+    assert 8.0 < two["bytes"] / 2**30 < 11
+    eight = llama_gpu.memory_estimate(llama_gpu.parse_args(["--layers", "8"]))
+    assert eight["bytes"] == two["fixed_bytes"] + 8 * two["layer_bytes"] < 79 * 2**30
 
 
 def test_memory_at_peak_reads_the_allocators_trace():
