@@ -1,6 +1,8 @@
-"""Bytes saved for backward and peak memory of a training step: fp8fx vs the fp32 model.
+"""Bytes saved for backward and peak memory of a training step: fp8fx vs the fp32 model, or (--bf16)
+fp8fx with and without saved_activations="fp8" vs the BF16 model compiled without FP8.
 
 Run: python bench/saved_memory.py [--layers 4 --dim 256 --seq 128 --batch 8]
+     python bench/saved_memory.py --bf16 --inner inductor --model llama|gpt2 [--layers 2 --dim 64 --seq 32 --batch 2]
 Every tensor autograd keeps for backward passes through the pack hook, for eager and compiled
 models alike; the bench sums the bytes of distinct storages (a view of a parameter counts as the
 parameter, which is alive anyway and is not counted). Target: fp8fx <= 0.5x fp32.
@@ -75,7 +77,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--inner", default="eager", choices=["eager", "inductor"])
-    ap.add_argument("--model", default="llama", choices=["llama", "transformer"], help="transformers Llama or fp8fx's demo model")
+    ap.add_argument("--model", default="llama", choices=["llama", "gpt2", "transformer"], help="transformers Llama or GPT-2, or fp8fx's demo model")
+    ap.add_argument("--bf16", action="store_true", help="a BF16 model: fp8fx with and without saved_activations='fp8' against it without FP8")
     ap.add_argument("--no-fusion", action="store_true", help="keep the FP8 GEMMs unfused (fuse_epilogues=False)")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -90,9 +93,17 @@ def main() -> None:
             vocab_size=256,
         )
         model = Logits(LlamaForCausalLM(cfg))
+    elif args.model == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(n_embd=args.dim, n_layer=args.layers, n_head=max(1, args.dim // 16), vocab_size=256,
+                         n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)  # fmt: skip
+        model = Logits(GPT2LMHeadModel(cfg))
     else:
         model = TinyTransformer(dim=args.dim, heads=max(1, args.dim // 64), layers=args.layers, max_seq=args.seq)
     tokens = torch.randint(0, 256, (args.batch, args.seq))
+    if args.bf16:
+        return bf16_run(model.to(torch.bfloat16), tokens, args)
     base = saved_bytes(model, tokens)
     peaks = {"fp32": peak_bytes(model, tokens)}
     measured = {}
@@ -117,6 +128,28 @@ def main() -> None:
     print("target: fp8fx (the default: saved_outputs=bf16, weight_fp8=recompute) <= 0.5")
     for name, peak in peaks.items():
         print(f"peak during a step, {name:<52}: {peak / 2**20:8.2f} MiB ({peak / peaks['fp32']:.3f} of fp32)")
+
+
+def bf16_run(model: torch.nn.Module, tokens: torch.Tensor, args) -> None:
+    """Bytes autograd keeps for a BF16 model: compiled without FP8, with fp8fx's defaults, and with
+    saved_activations="fp8"."""
+    plain = "inductor" if args.inner == "inductor" else "aot_eager"
+    variants = {
+        f"bf16 ({plain})": plain,
+        "fp8fx": fp8fx.backend(inner=args.inner),
+        "fp8fx saved_activations=fp8": fp8fx.backend(inner=args.inner, saved_activations="fp8"),
+    }
+    totals = {}
+    for name, backend in variants.items():
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend)
+        saved_bytes(compiled, tokens)  # compile
+        totals[name] = saved_bytes(compiled, tokens)
+    base = sum(totals[f"bf16 ({plain})"].values())
+    print(f"model: {args.model} in BF16, {args.layers} layers, dim {args.dim}, batch {args.batch} x seq {args.seq}, inner={args.inner}")
+    for name, kept in totals.items():
+        print(f"{name:<30}: {sum(kept.values()) / 2**20:8.3f} MiB saved for backward ({sum(kept.values()) / base:.3f}x)  {kept}")
+    print("target: saved_activations=fp8 <= 0.6x BF16's")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@
 from fp8fx.compiler.backend import Fp8fxBackend, backend, report, stats
 from fp8fx.compiler.prepare import prepare
 from fp8fx.core.formats import FormatRecipe, Fp8Format
-from fp8fx.core.policy import FastAccum, GemmPrecisions, Policy, PolicyError, Rule, Settings
+from fp8fx.core.policy import FastAccum, GemmPrecisions, Policy, PolicyError, Rule, SavedActivations, SavedRule, Settings
 from fp8fx.core.policy_yaml import load_policy, policy_from_yaml
 from fp8fx.core.recipes import Precision
 from fp8fx.core.version import VERSION as __version__
@@ -37,6 +37,8 @@ __all__ = [
     "Precision",
     "Report",
     "Rule",
+    "SavedActivations",
+    "SavedRule",
     "Settings",
     "backend",
     "load_policy",

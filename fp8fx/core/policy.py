@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
-from fp8fx.core.formats import FormatRecipe
+from fp8fx.core.formats import FormatRecipe, Fp8Format
 from fp8fx.core.patterns import POLICY_KINDS
 from fp8fx.core.recipes import (
     GEMM_ROLES,
@@ -210,6 +210,23 @@ def _op_kinds(value: Any, key_path: str) -> tuple[str, ...]:
     return tuple(items)
 
 
+def _name_matches(pattern: str, names: tuple[str, ...]) -> bool:
+    """A module-FQN glob, or an `re:` regex, against any of `names`."""
+    if pattern.startswith("re:"):
+        return any(re.fullmatch(pattern[3:], n) for n in names)
+    return any(fnmatch.fnmatchcase(n, pattern) for n in names)
+
+
+def _check_match(pattern: Any) -> None:
+    if not isinstance(pattern, str) or not pattern:
+        raise PolicyError("match", f"expected a non-empty glob or 're:' regex, got {pattern!r}")
+    if pattern.startswith("re:"):
+        try:
+            re.compile(pattern[3:])
+        except re.error as e:
+            raise PolicyError("match", f"invalid regex {pattern[3:]!r}: {e}") from None
+
+
 @dataclass(frozen=True)
 class Rule:
     """Settings for the sites whose name or module FQN matches `match` (and whose op is in `op`).
@@ -372,21 +389,11 @@ SAVED_BLOCKS = {SavedGranularity.ROWWISE: (1, 0), SavedGranularity.GROUP_1X128: 
 SAVED_KINDS = ("attention", "norm", "activation", "other")
 
 
-def _name_matches(pattern: str, names: tuple[str, ...]) -> bool:
-    """A module-FQN glob, or an `re:` regex, against any of `names`."""
-    if pattern.startswith("re:"):
-        return any(re.fullmatch(pattern[3:], n) for n in names)
-    return any(fnmatch.fnmatchcase(n, pattern) for n in names)
-
-
-def _check_match(pattern: Any) -> None:
-    if not isinstance(pattern, str) or not pattern:
-        raise PolicyError("match", f"expected a non-empty glob or 're:' regex, got {pattern!r}")
-    if pattern.startswith("re:"):
-        try:
-            re.compile(pattern[3:])
-        except re.error as e:
-            raise PolicyError("match", f"invalid regex {pattern[3:]!r}: {e}") from None
+def _saved_format(value: Any) -> Fp8Format:
+    fmt = _enum(Fp8Format, value, "format")
+    if fmt is Fp8Format.NVFP4:
+        raise PolicyError("format", "saved activations are kept in e4m3 or e5m2, not nvfp4")
+    return fmt
 
 
 @dataclass(frozen=True)
@@ -396,10 +403,13 @@ class SavedRule:
     match: str
     kind: tuple[str, ...] | None = None
     precision: Precision | None = None
+    format: Fp8Format | None = None
     granularity: SavedGranularity | None = None
 
     def __post_init__(self) -> None:
         _check_match(self.match)
+        if self.format is not None:
+            object.__setattr__(self, "format", _saved_format(self.format))
         if self.kind is not None:
             kinds = [self.kind] if isinstance(self.kind, str) else self.kind
             if not isinstance(kinds, (list, tuple)) or not kinds:
@@ -417,34 +427,37 @@ class SavedRule:
 @dataclass(frozen=True)
 class SavedActivations:
     """What forward keeps for backward besides FP8 GEMM operands (fp8fx.passes.saved_activations):
-    in FP8 (E4M3 with `granularity` scales) or in the precision it was made in. `precision` None
-    takes the backend option `saved_activations` (high by default). Rules: first match wins, by
-    module FQN and kind."""
+    in FP8 (`format`, with `granularity` scales) or in the precision it was made in. `precision`
+    None takes the backend option `saved_activations` (high by default). Rules: first match wins,
+    by module FQN and kind."""
 
     precision: Precision | None = None
+    format: Fp8Format = Fp8Format.E4M3
     granularity: SavedGranularity = SavedGranularity.ROWWISE
     rules: tuple[SavedRule, ...] = ()
 
     def __post_init__(self) -> None:
         if self.precision is not None:
             object.__setattr__(self, "precision", _enum(Precision, self.precision, "precision"))
+        object.__setattr__(self, "format", _saved_format(self.format))
         object.__setattr__(self, "granularity", _enum(SavedGranularity, self.granularity, "granularity"))
         object.__setattr__(self, "rules", tuple(self.rules))
         for i, rule in enumerate(self.rules):
             if not isinstance(rule, SavedRule):
                 raise PolicyError(f"rules[{i}]", f"expected a SavedRule, got {type(rule).__name__}")
 
-    def resolve(self, module: str, kind: str, default: Precision) -> tuple[Precision, SavedGranularity, str]:
-        """Precision, granularity and the policy entry they come from, for a tensor of `module` and `kind`."""
+    def resolve(self, module: str, kind: str, default: Precision) -> tuple[Precision, Fp8Format, SavedGranularity, str]:
+        """Precision, format, granularity and the policy entry they come from, for a tensor of
+        `module` and `kind`."""
         base = self.precision or default
         for i, rule in enumerate(self.rules):
             if _name_matches(rule.match, (module,)) and (rule.kind is None or kind in rule.kind):
                 source = f"saved_activations.rules[{i}] (match {rule.match!r})"
-                return rule.precision or base, rule.granularity or self.granularity, source
-        return base, self.granularity, "saved_activations" if self.precision else "saved_activations default"
+                return rule.precision or base, rule.format or self.format, rule.granularity or self.granularity, source
+        return base, self.format, self.granularity, "saved_activations" if self.precision else "saved_activations default"
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"granularity": self.granularity.value}
+        out: dict[str, Any] = {"format": self.format.value, "granularity": self.granularity.value}
         if self.precision is not None:
             out["precision"] = self.precision.value
         out["rules"] = [
@@ -452,6 +465,7 @@ class SavedActivations:
                 "match": r.match,
                 **({"kind": list(r.kind)} if r.kind else {}),
                 **({"precision": r.precision.value} if r.precision else {}),
+                **({"format": r.format.value} if r.format else {}),
                 **({"granularity": r.granularity.value} if r.granularity else {}),
             }
             for r in self.rules

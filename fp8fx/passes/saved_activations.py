@@ -1,9 +1,9 @@
-"""saved_activations: keep what backward reads in FP8 (E4M3, a scale per row or per 1x128 group).
+"""saved_activations: keep what backward reads in FP8 (E4M3 or E5M2, a scale per row or 1x128 group).
 
 FP8 GEMMs already keep their operands for backward in FP8; everything else backward reads (a norm's
 input, attention's q, k, v and output, an activation's input, a residual) stays in the model's
 precision. With `saved_activations="fp8"` (backend option, or the policy's `saved_activations`
-section) those tensors are kept as FP8 too, the E4M3 copy and its fp32 scale inverses.
+section) those tensors are kept as FP8 too: the FP8 copy and its fp32 scale inverses.
 
 This runs on the partitioned graphs, right after min-cut has chosen what forward saves: exactly
 those tensors change, not the ones min-cut would have recomputed (rewritten on the joint graph, a
@@ -15,26 +15,31 @@ backward takes them as inputs and widens the tensor (`fp8fx::widen`) where it fi
 high-precision tensor is then dead once forward's own readers are done with it: backward never
 holds it.
 
-A saved tensor stays in its precision, with the reason in the report, when it is a graph input (a
-parameter, the model's input: alive anyway), a forward output, not floating point, already FP8,
-shares its storage with a saved tensor that stays high, or is too small for FP8 to save bytes
-(scales included). The policy chooses per module and kind (`fp8fx.core.policy.SavedActivations`).
+Several saved views of one storage are cast together (one kept high keeps the storage alive):
+each alone, or the storage once and the views taken again in backward (grouped-query attention's
+K and V, expanded per head, are larger than their storage), whichever keeps fewer bytes.
+
+A saved tensor stays in its precision, with the reason in the report (`_why_high`), when it is a
+graph input (a parameter, the model's input: alive anyway), a forward output, not floating point,
+already FP8, attention's softmax statistics or mask, a table broadcast over larger tensors, of
+dynamic size, or too small for FP8 to save bytes (scales included). The policy chooses per module
+and kind (`fp8fx.core.policy.SavedActivations`).
 """
 
 from __future__ import annotations
 
 import operator
+
 import torch
 from torch import fx
 
-from fp8fx.core.formats import FP8_DTYPES, Fp8Format
+from fp8fx.core.formats import FP8_DTYPES
 from fp8fx.core.policy import SAVED_BLOCKS, Precision, SavedActivations
 from fp8fx.passes.find_matmuls import module_fqn
 from fp8fx.passes.graph_utils import add_node, fake_mode_of
 from fp8fx.reporting.saved import SavedTensor
 
 fp8fx_ops = torch.ops.fp8fx
-SAVED_DTYPE = Fp8Format.E4M3.dtype
 _WIDE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MIN_NUMEL = 256  # smaller tensors stay: their bytes do not matter, and scales would cost more
 _MAX_KEPT_FRACTION = 0.75  # FP8 with its scales must keep at most this share of the bytes
@@ -170,13 +175,13 @@ def keep_saved_in_fp8(
         by_root.setdefault(_storage_root(node), []).append(node)
 
     records: dict[fx.Node, SavedTensor] = {}
-    casts: dict[fx.Node, tuple[list[int], list[fx.Node]]] = {}  # node cast to FP8 -> (its blocks, saved views of it)
+    casts: dict[fx.Node, tuple] = {}  # node cast to FP8 -> (format, blocks of its scales, saved views of it)
     for root, nodes in by_root.items():
         numel = _numel(root.meta["val"])
         if root.op == "placeholder" or (numel is not None and numel < _MIN_NUMEL):
             continue  # parameters and inputs (alive anyway); scales and a norm's statistics
         module, kind = module_fqn(root), classify(root)
-        precision, granularity, source = policy.resolve(module, kind, default)
+        precision, fmt, granularity, source = policy.resolve(module, kind, default)
         block = list(SAVED_BLOCKS[granularity])
         high = numel * root.meta["val"].element_size() if numel is not None else 0
         # Views of one storage go to FP8 together, or stay together: one kept high keeps it alive.
@@ -185,10 +190,10 @@ def keep_saved_in_fp8(
             why = f"the policy's {source}"
         # Each view cast alone, or the storage cast once and viewed again in backward (an expanded
         # K or V of grouped-query attention is larger than its storage): the fewer bytes.
-        plan = {n: (block, [n]) for n in nodes}
+        plan = {n: (fmt, block, [n]) for n in nodes}
         if why is None and nodes != [root] and _replayable(root, nodes) and _why_high(root, False) is None:
             if _fp8_bytes(root.meta["val"], block) < sum(_fp8_bytes(n.meta["val"], block) for n in nodes):
-                plan = {root: (block, nodes)}
+                plan = {root: (fmt, block, nodes)}
         kept = sum(_fp8_bytes(n.meta["val"], block) for n in plan)
         if why is None and kept > _MAX_KEPT_FRACTION * high:
             why = "too small for FP8 to save bytes (its scales)"
@@ -198,7 +203,7 @@ def keep_saved_in_fp8(
             dtype = str(v.dtype).removeprefix("torch.")
             share = high * int(v.numel()) // total if numel is not None else 0
             if why is None:
-                kept_as, mine, reason = f"e4m3 {granularity.value}", kept * int(v.numel()) // total, f"the policy's {source}"
+                kept_as, mine, reason = f"{fmt.value} {granularity.value}", kept * int(v.numel()) // total, f"the policy's {source}"
             else:
                 kept_as, mine, reason = dtype, share, why
             records[node] = SavedTensor(node.name, module, kind, tuple(v.shape), dtype, kept_as, share, mine, reason)
@@ -270,11 +275,11 @@ def _rewrite(forward: fx.GraphModule, backward: fx.GraphModule, outs: list, num_
     fw_mode = fake_mode_of(forward.graph)
     replaced: dict[fx.Node, fx.Node | None] = {}  # saved node -> what forward returns instead (None: nothing)
     inverses = []
-    for node, (block, views) in casts.items():
+    for node, (fmt, block, views) in casts.items():
         with forward.graph.inserting_before(node.next):
             amax = add_node(forward.graph, fw_mode, fp8fx_ops.amax.default, (node, block), tag_from=node)
-            scale = add_node(forward.graph, fw_mode, fp8fx_ops.amax_to_scale.default, (amax, Fp8Format.E4M3.max, 0, False), tag_from=node)
-            q = add_node(forward.graph, fw_mode, fp8fx_ops.cast.default, (node, scale, SAVED_DTYPE, block), tag_from=node)
+            scale = add_node(forward.graph, fw_mode, fp8fx_ops.amax_to_scale.default, (amax, fmt.max, 0, False), tag_from=node)
+            q = add_node(forward.graph, fw_mode, fp8fx_ops.cast.default, (node, scale, fmt.dtype, block), tag_from=node)
             inverse = add_node(forward.graph, fw_mode, fp8fx_ops.scale_inverse.default, (scale,), tag_from=node)
         inverses.append(inverse)
         first = min(views, key=saved.index)

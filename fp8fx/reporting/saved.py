@@ -17,14 +17,14 @@ class SavedTensor:
     kind: str  # attention | norm | activation | other (fp8fx.core.policy.SAVED_KINDS)
     shape: tuple[int, ...]
     dtype: str  # as produced
-    kept_as: str  # "e4m3 rowwise", "e4m3 1x128", or the dtype it stays in
+    kept_as: str  # "e4m3 rowwise", "e5m2 1x128", ..., or the dtype it stays in
     bytes_high: int  # bytes of its storage in the precision it was made in
     bytes_kept: int  # bytes kept for backward (FP8 values and scales, or bytes_high)
     reason: str  # the policy entry that chose FP8, or why it stays
 
     @property
     def fp8(self) -> bool:
-        return self.kept_as.startswith("e4m3")
+        return self.kept_as.startswith(("e4m3 ", "e5m2 "))
 
     def to_dict(self) -> dict:
         return {**asdict(self), "shape": list(self.shape)}

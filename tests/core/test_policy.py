@@ -155,8 +155,10 @@ def test_single_gemm_override(alias, role, prec, base):
 # (text, key_path, line, message fragment)
 BAD_FILES = {
     "unknown_top_key": ("version: 1\nrulez: []\n", "rulez", 2, "unknown key; expected one of calibrate, defaults, level, recipe, rules, saved_activations, shadow, version"),
-    "saved_unknown_key": ("version: 1\nsaved_activations:\n  format: e4m3\n", "saved_activations.format", 3,
-                          "unknown key; expected one of granularity, precision, rules"),
+    "saved_unknown_key": ("version: 1\nsaved_activations:\n  dtype: e4m3\n", "saved_activations.dtype", 3,
+                          "unknown key; expected one of format, granularity, precision, rules"),
+    "saved_format": ("version: 1\nsaved_activations:\n  format: nvfp4\n", "saved_activations.format", 3,
+                     "kept in e4m3 or e5m2, not nvfp4"),
     "saved_granularity": ("version: 1\nsaved_activations:\n  granularity: 1x32\n", "saved_activations.granularity", 3,
                           "expected rowwise|1x128, got '1x32'"),
     "saved_rule_kind": ("version: 1\nsaved_activations:\n  rules:\n    - match: '*'\n      kind: [norm, mlp]\n",

@@ -181,7 +181,11 @@ def test_policy_rules_choose_by_module_and_kind():
         saved_activations=SavedActivations(
             precision="fp8",
             granularity="1x128",
-            rules=(SavedRule(match="*", kind="attention", precision="high"), SavedRule(match="*.layers.1.*", granularity="rowwise")),
+            rules=(
+                SavedRule(match="*", kind="attention", precision="high"),
+                SavedRule(match="*", kind=["norm"], format="e5m2"),
+                SavedRule(match="*.layers.1.*", granularity="rowwise"),
+            ),
         )
     )
     backend = fp8fx.backend(inner="eager", policy=policy)
@@ -190,9 +194,10 @@ def test_policy_rules_choose_by_module_and_kind():
     attention = [t for t in saved if t.kind == "attention"]
     assert attention and not any(t.fp8 for t in attention)
     assert any("saved_activations.rules[0]" in t.reason for t in attention)
-    fp8 = [t for t in saved if t.fp8]
+    fp8 = [t for t in saved if t.fp8 and t.kind != "norm"]
     assert {t.kept_as for t in fp8 if ".layers.1." in t.module} == {"e4m3 rowwise"}
     assert {t.kept_as for t in fp8 if ".layers.0." in t.module} == {"e4m3 1x128"}
+    assert {t.kept_as for t in saved if t.kind == "norm"} == {"e5m2 1x128"}
 
 
 def test_off_by_default_and_checked():
