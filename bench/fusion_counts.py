@@ -196,6 +196,7 @@ def fp8fx_llama(recipe: str, args, **options):
     policy = fp8fx.Policy.from_recipe(recipe)
     if policy.uses_delayed_scaling:
         fp8fx.prepare(model)
+    options.setdefault("saved_activations", args.saved_activations)
     return model, ids, fp8fx.backend(policy=policy, inner="inductor", cublas_devices=cublas_devices(args), **options)
 
 
@@ -278,6 +279,7 @@ def main() -> None:
         help="triton (with --cublas): count the kernels of Inductor's Triton backend",
     )
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--saved-activations", choices=["fp8", "high"], help="fp8fx's backend option saved_activations")
     args = ap.parse_args()
     if args.scheduler == "triton" and not (args.cublas and args.device == "cpu"):
         ap.error("--scheduler triton counts the graph a GPU runs on CPU tensors: it needs --cublas and --device cpu")

@@ -96,7 +96,7 @@ def main() -> None:
     elif args.model == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        cfg = GPT2Config(n_embd=args.dim, n_layer=args.layers, n_head=max(1, args.dim // 16), vocab_size=256,
+        cfg = GPT2Config(n_embd=args.dim, n_layer=args.layers, n_head=max(1, args.dim // 64), vocab_size=256,
                          n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)  # fmt: skip
         model = Logits(GPT2LMHeadModel(cfg))
     else:
