@@ -10,6 +10,14 @@ forward, E5M2 gradients) on every Linear, lm_head included, under `torch.compile
 `--autocast` runs every run's model under BF16 autocast; its baseline is then the `bf16` run:
     python bench/convergence.py --autocast --runs bf16,fp8fx-default,fp8fx-default-high,torchao-default
 
+Options, as suffixes of a run's name (`split_run`): `-savedfp8` (fp8fx runs) sets the backend option
+saved_activations="fp8" (what backward reads besides the FP8 GEMMs' operands kept in FP8 too), and a
+last `-o2` trains with fp8fx.runtime.optim.Fp8AdamW (FP8 first moment, FP16 second: the optimizer of
+a policy's `level: O2`) in place of torch's AdamW, on any run. Each option on and both together,
+against BF16 (issue 50):
+    python bench/convergence.py --autocast --steps 1000 --seeds 3 \
+        --runs bf16,fp8fx-rowwise,fp8fx-rowwise-savedfp8,fp8fx-rowwise-o2,fp8fx-rowwise-savedfp8-o2
+
 Data: Python's own documentation topics (`pydoc_data.topics`), 90/10 train/validation split.
 Target: every FP8 run's final validation loss within 0.25% of fp32's, over >= 1000 steps, with
 fp32's seed-to-seed spread printed beside it (>= 3 seeds).
@@ -37,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp8fx
+from fp8fx.runtime.optim import Fp8AdamW
 
 
 def corpus() -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -125,20 +134,29 @@ def batch(data: torch.Tensor, args, generator: torch.Generator) -> tuple[torch.T
     return rows[:, :-1], rows[:, 1:]
 
 
+def split_run(name: str) -> tuple[str, bool, bool]:
+    """(a run's name without its options, -savedfp8, -o2): `name` is <run>[-savedfp8][-o2]."""
+    stem = name.removesuffix("-o2")
+    return stem.removesuffix("-savedfp8"), stem.endswith("-savedfp8"), stem != name
+
+
 def prepare_run(name: str, model: nn.Module, autocast: bool = False):
     """The model as the run trains it, and the autocast context (BF16 only, or every run with
-    `autocast`)."""
-    run, context = _prepare_run(name, model)
+    `autocast`). -o2 is the optimizer's (`train`)."""
+    stem, saved_fp8, _ = split_run(name)
+    run, context = _prepare_run(stem, model, {"saved_activations": "fp8"} if saved_fp8 else {})
     return run, torch.autocast("cpu", dtype=torch.bfloat16) if autocast else context
 
 
-def _prepare_run(name: str, model: nn.Module):
+def _prepare_run(name: str, model: nn.Module, options: dict):
+    """`options`: fp8fx's backend options beyond the run's own."""
     if name == "bf16":
         return model, torch.autocast("cpu", dtype=torch.bfloat16)
     if name == "fp8fx-default":
-        return torch.compile(model, backend="fp8fx"), torch.autocast("cpu", enabled=False)
+        backend = fp8fx.backend(**options) if options else "fp8fx"  # (the name alone: exactly the one-line change)
+        return torch.compile(model, backend=backend), torch.autocast("cpu", enabled=False)
     if name == "fp8fx-default-high":
-        return torch.compile(model, backend=fp8fx.backend(saved_outputs="high")), torch.autocast("cpu", enabled=False)
+        return torch.compile(model, backend=fp8fx.backend(saved_outputs="high", **options)), torch.autocast("cpu", enabled=False)
     if name == "torchao-default":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -179,7 +197,8 @@ def _prepare_run(name: str, model: nn.Module):
         policy = fp8fx.Policy.from_recipe(recipe, rules=(fp8fx.Rule(match="lm_head", precision="high"),))
         if policy.uses_delayed_scaling:
             fp8fx.prepare(model)
-        return torch.compile(model, backend=fp8fx.backend(policy=policy, inner="eager")), torch.autocast("cpu", enabled=False)
+        backend = fp8fx.backend(policy=policy, inner="eager", **options)
+        return torch.compile(model, backend=backend), torch.autocast("cpu", enabled=False)
     return model, torch.autocast("cpu", enabled=False)
 
 
@@ -187,7 +206,7 @@ def train(name: str, seed: int, args, train_data, val_data, vocab: int, writer) 
     torch.manual_seed(seed)
     model = GPT(vocab, args.dim, args.heads, args.layers, args.seq, args.experts)
     run, autocast = prepare_run(name, model, args.autocast)  # first: torchao's MXFP8 conversion makes new Parameters
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    opt = (Fp8AdamW if split_run(name)[2] else torch.optim.AdamW)(model.parameters(), lr=1e-3, weight_decay=0.1)
     warmup = min(50, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
@@ -214,7 +233,7 @@ def train(name: str, seed: int, args, train_data, val_data, vocab: int, writer) 
                     F.cross_entropy(run(vx).float().reshape(-1, vocab), vy.reshape(-1)).item() for vx, vy in val_batches
                 )
             writer.writerow([name, seed, step, f"{loss.item():.5f}", f"{val:.5f}", f"{time.perf_counter() - start:.1f}"])
-            print(f"{name:22s} seed {seed} step {step:5d} train {loss.item():.4f} val {val:.4f}", flush=True)
+            print(f"{name:26s} seed {seed} step {step:5d} train {loss.item():.4f} val {val:.4f}", flush=True)
     torch._dynamo.reset()
 
 
@@ -273,7 +292,7 @@ def summarize(rows: list[list], baseline: str = "fp32") -> None:
     (steps,) = steps
     noise = 100 * statistics.pstdev(base.values()) / statistics.fmean(base.values()) if base else float("nan")
     print(f"\nfinal validation loss after {steps} steps, {len(base)} seed(s); {baseline} seed-to-seed spread (std) {noise:.3f}%")
-    print(f"{'run':22s} {'val loss':>9s} {'gap %':>8s} {'min..max %':>16s} {'std %':>7s} {'s/step':>7s}  target |gap| <= 0.25%")
+    print(f"{'run':26s} {'val loss':>9s} {'gap %':>8s} {'min..max %':>16s} {'std %':>7s} {'s/step':>7s}  target |gap| <= 0.25%")
     for name in runs:
         mine = {seed: v for (n, seed), v in last.items() if n == name}
         gaps = [100 * (val - base[seed]) / base[seed] for seed, (_s, val, _t) in mine.items() if seed in base]
@@ -283,7 +302,7 @@ def summarize(rows: list[list], baseline: str = "fp32") -> None:
         per_step = statistics.fmean(t for _s, _v, t in mine.values()) / steps
         vals = [v for _s, v, _t in mine.values()]
         std = 100 * statistics.pstdev(vals) / statistics.fmean(vals)
-        print(f"{name:22s} {statistics.fmean(vals):9.4f} {mean_gap:+8.3f} {spread:>16s} {std:7.3f} {per_step:7.3f}  {verdict}")
+        print(f"{name:26s} {statistics.fmean(vals):9.4f} {mean_gap:+8.3f} {spread:>16s} {std:7.3f} {per_step:7.3f}  {verdict}")
 
 
 def read_rows(paths: list[Path]) -> list[list]:
@@ -313,7 +332,8 @@ def main() -> None:
     )
     runs = ["fp32", "bf16", *(f"fp8fx-{r}" for r in fp8fx.core.recipes.RECIPES), "torchao-emulate", "torchao-mxfp8"]
     runs += ["fp8fx-default", "fp8fx-default-high", "torchao-default"]
-    ap.add_argument("--runs", default=",".join(runs), help="comma-separated subset of: " + ", ".join(runs))
+    options = " (fp8fx's may end in -savedfp8, then any in -o2: the module's docstring)"
+    ap.add_argument("--runs", default=",".join(runs), help="comma-separated subset of: " + ", ".join(runs) + options)
     ap.add_argument(
         "--autocast", action="store_true", help="every run's model under BF16 autocast (baseline: the bf16 run; no fp32 run)"
     )
@@ -325,10 +345,11 @@ def main() -> None:
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if not args.report:
-        unknown = set(args.runs.split(",")) - set(runs)
+        names = args.runs.split(",")
+        unknown = [n for n in names if split_run(n)[0] not in runs or (split_run(n)[1] and not n.startswith("fp8fx-"))]
         if unknown:
-            raise SystemExit(f"unknown run(s) {sorted(unknown)}; choose from {runs}")
-        if args.autocast and "fp32" in args.runs.split(","):
+            raise SystemExit(f"unknown run(s) {unknown}; choose from {runs}, fp8fx's with -savedfp8, any with -o2 last")
+        if args.autocast and "fp32" in (split_run(n)[0] for n in names):
             raise SystemExit("--autocast runs every model under BF16 autocast: its baseline is the bf16 run, not fp32")
         # A fresh Inductor cache per invocation: no compiled graph or record from another process or
         # an older checkout; the seeds of one invocation share it (same graphs, same keys).

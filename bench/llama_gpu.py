@@ -3,7 +3,8 @@ torch.compile and torchao float8 (tensorwise, rowwise).
 
 Run: python bench/llama_gpu.py [--model llama3-8b|gpt3-6.7b|te-layer] [--layers 2 --seq 4096 --batch 2] [--recipes tensorwise,rowwise]
      [--kernels auto,triton,scaled_mm] [--inner inductor|eager] [--variants bf16,fp8fx-rowwise-auto | --variants cudagraphs]
-     [--steps 10 --warmup 3] [--json out.json] [--save-code DIR] [--memory]
+     [--steps 10 --warmup 3] [--json out.json] [--save-code DIR] [--memory] [--memory-cap 40]
+     python bench/llama_gpu.py --variants bf16,torchao-rowwise,fp8fx-rowwise-auto,fp8fx-rowwise-auto-savedfp8-o2 --memory-cap 40
      python bench/llama_gpu.py --layers 8 --variants bf16,fp8fx-tensorwise-auto   # a deeper model (the estimate below says what fits)
      python bench/llama_gpu.py --device cpu --tiny --steps 2 --warmup 1 --inner eager   # smoke test
 
@@ -41,13 +42,33 @@ recipe of the same name (the same GEMMs). Bare GEMMs are timed on their own with
 one layout, so the in-step GEMMs may take longer; `gemm_bf16_ms` (every GEMM bare in BF16) beside
 the BF16 step's `gemm_ms` shows by how much.
 
-Variant names: bf16 (the baseline in --dtype, without FP8), torchao-tensorwise, torchao-rowwise,
-fp8fx-<recipe>-<kernels> (the backend's defaults otherwise), and fp8fx-<recipe>-<kernels>-keep (backend
-option weight_fp8="keep": backward reads the FP8 copies of the weights forward made, where the default
-casts them again under dynamic scaling). Any name may end
-in -cudagraphs: Inductor then runs the compiled graphs as CUDA graphs (its `triton.cudagraphs`
-option, what mode="reduce-overhead" sets; no effect on CPU or with --inner eager). `--variants
-cudagraphs` is BF16 and every fp8fx recipe under CUDA graphs.
+Variant names: bf16 (the baseline in --dtype, without FP8), torchao-tensorwise, torchao-rowwise and
+fp8fx-<recipe>-<kernels> (the backend's defaults otherwise), each followed by any of these options
+(each once, in any order; fp8fx-rowwise-auto-savedfp8-o2 has two):
+- -keep (fp8fx): backend option weight_fp8="keep": backward reads the FP8 copies of the weights forward
+  made, where the default casts them again under dynamic scaling;
+- -savedfp8 (fp8fx): backend option saved_activations="fp8": what backward reads besides the FP8 GEMMs'
+  operands is kept in FP8 too (fp8fx.passes.saved_activations);
+- -o2: the step's optimizer is fp8fx.runtime.optim.Fp8AdamW (FP8 first moment, FP16 second: what a
+  policy's `level: O2` trains with) in place of --optimizer; the row then also times its step alone
+  beside torch.optim.AdamW(fused=True)'s on the same parameters and gradients (`optimizer_times`);
+- -cudagraphs: Inductor runs the compiled graphs as CUDA graphs (its `triton.cudagraphs` option, what
+  mode="reduce-overhead" sets; no effect on CPU or with --inner eager). `--variants cudagraphs` is
+  BF16 and every fp8fx recipe under CUDA graphs.
+Under the table, each variant with -savedfp8 or -o2 is set against the same variant without them
+(step time and peak) when that ran too, in this run or in the earlier one given by --beside JSON
+(its --json; BF16's row is then taken from there too where this run has none).
+
+--memory-cap GIB: for each variant, also the largest multiple of --batch whose step peaks at most
+GIB (torch.cuda.max_memory_allocated over the timed steps: the allocator's cache and the CUDA context
+are not counted), found by `largest_batch`, and the tokens per second at that batch (`cap_search`).
+Each batch tried is a run of the variant's own process, as every variant is: a batch that does not
+fit may end in an out-of-memory error, after which a process's allocator, CUDA graph pools and
+compiled code are no measure of the next batch, and in one process Dynamo would compile the second
+batch size with a dynamic batch dimension (its automatic dynamic shapes), not the program timed. The
+price is a cold compile per batch tried (about a minute for an 8B-shaped rowwise step), hence a
+search that guesses from the peaks' line before it bisects: 3 runs beyond the first where the peak
+grows linearly with the batch. On CPU no peak is measured and the search is not run.
 Before the variants run, an estimate of the step's peak memory (`memory_estimate`) and, on a GPU,
 how many layers would fit in it.
 Output: a Markdown table on stdout, progress on stderr, JSON to --json (default $OUT/llama_gpu.json
@@ -80,6 +101,7 @@ import traceback
 
 import torch
 import torch.nn.functional as F
+from optim_step import ms_per_step  # (bench/, this script's directory)
 from torch._inductor.utils import run_and_get_code
 from torch.autograd import DeviceType
 
@@ -89,6 +111,7 @@ from fp8fx.codegen.variants import GemmVariant, arch_of
 from fp8fx.core.formats import Fp8Format
 from fp8fx.core.recipes import RECIPES
 from fp8fx.ops.gemm_bench import COMPILE_REP_MS, COMPILE_WARMUP_MS, VariantUse, cuda_bench, run_scaled_mm, time_kernels
+from fp8fx.runtime.optim import Fp8AdamW
 
 # torch.compile backend of the BF16 and torchao runs, by fp8fx inner compiler.
 PLAIN_BACKEND = {"inductor": "inductor", "eager": "aot_eager"}
@@ -105,25 +128,40 @@ TE_PUBLISHED = "TransformerEngine's published figures for this layer (H100): FP8
 MODELS = {"llama3-8b": LLAMA3_8B, "gpt3-6.7b": GPT3_6_7B, "te-layer": TE_LAYER}
 TINY = dict(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=128, seq=32, batch=2)  # the model's layers
 CUDAGRAPHS = "-cudagraphs"
+OPTIONS = ("keep", "savedfp8", "o2", "cudagraphs")  # a variant name's option suffixes (the module's docstring)
+FP8FX_OPTIONS = {"keep", "savedfp8"}  # backend options: fp8fx variants only
+MEMORY_OPTIONS = {"savedfp8", "o2"}  # what issue 50 sets against the same variant without them
 
 
 # --- variants and what this machine can run -----------------------------------------------------
 
 
+def split_options(name: str) -> tuple[str, frozenset[str]]:
+    """(a variant name without its option suffixes, those options)."""
+    parts, options = name.split("-"), set()
+    while len(parts) > 1 and parts[-1] in OPTIONS and parts[-1] not in options:
+        options.add(parts.pop())
+    return "-".join(parts), frozenset(options)
+
+
 def parse_variant(name: str) -> tuple[str, str | None, str | None]:
-    """(kind, recipe, kernels) of a variant name: bf16 | torchao-<recipe> | fp8fx-<recipe>-<kernels>[-keep],
-    any of them with -cudagraphs."""
-    parts = name.removesuffix(CUDAGRAPHS).split("-")
+    """(kind, recipe, kernels) of a variant name: bf16 | torchao-<recipe> | fp8fx-<recipe>-<kernels>,
+    then any of the option suffixes (-keep and -savedfp8 on fp8fx only)."""
+    base, options = split_options(name)
+    parts = base.split("-")
+    parsed = None
     if parts == ["bf16"]:
-        return "bf16", None, None
-    if len(parts) == 2 and parts[0] == "torchao" and parts[1] in TORCHAO_RECIPES:
-        return "torchao", parts[1], None
-    if parts[3:] in ([], ["keep"]) and parts[0] == "fp8fx" and parts[1] in RECIPES and parts[2] in ("auto", "triton", "scaled_mm"):
-        return "fp8fx", parts[1], parts[2]
-    raise ValueError(
-        f"unknown variant {name!r}: bf16, torchao-{{{','.join(TORCHAO_RECIPES)}}} or "
-        f"fp8fx-<recipe>-<auto|triton|scaled_mm>[-keep], each optionally ending in {CUDAGRAPHS}, with a recipe of {', '.join(RECIPES)}"
-    )
+        parsed = "bf16", None, None
+    elif len(parts) == 2 and parts[0] == "torchao" and parts[1] in TORCHAO_RECIPES:
+        parsed = "torchao", parts[1], None
+    elif len(parts) == 3 and parts[0] == "fp8fx" and parts[1] in RECIPES and parts[2] in ("auto", "triton", "scaled_mm"):
+        parsed = "fp8fx", parts[1], parts[2]
+    if parsed is None or (parsed[0] != "fp8fx" and options & FP8FX_OPTIONS):
+        raise ValueError(
+            f"unknown variant {name!r}: bf16, torchao-{{{','.join(TORCHAO_RECIPES)}}} or fp8fx-<recipe>-<auto|triton|scaled_mm> "
+            f"with a recipe of {', '.join(RECIPES)}, then any of -o2, -cudagraphs and (fp8fx only) -keep, -savedfp8, each once"
+        )
+    return parsed
 
 
 def default_variants(args) -> list[str]:
@@ -249,9 +287,11 @@ def token_batches(args, device: torch.device) -> list:
 def compile_variant(model: torch.nn.Module, name: str, args):
     """The compiled model of a variant; torchao converts the model's Linears in place first."""
     kind, recipe, kernels = parse_variant(name)
+    options = split_options(name)[1]
     if kind == "fp8fx":
-        weight_fp8 = "keep" if name.removesuffix(CUDAGRAPHS).endswith("-keep") else "auto"
-        backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner=args.inner, kernels=kernels, weight_fp8=weight_fp8)
+        backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner=args.inner, kernels=kernels,
+                                weight_fp8="keep" if "keep" in options else "auto",
+                                saved_activations="fp8" if "savedfp8" in options else None)  # fmt: skip
         return torch.compile(fp8fx.prepare(model), backend=backend)  # prepare: delayed recipes keep state there
     if kind == "torchao":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -263,9 +303,11 @@ def compile_variant(model: torch.nn.Module, name: str, args):
     return torch.compile(model, backend=PLAIN_BACKEND[args.inner])
 
 
-def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer | None:
+def make_optimizer(model: torch.nn.Module, name: str, args) -> torch.optim.Optimizer | None:
     if args.model == "te-layer":  # forward and backward only, as TE times its layer
         return None
+    if "o2" in split_options(name)[1]:
+        return Fp8AdamW(model.parameters(), lr=args.lr)
     if args.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=args.lr)
     return torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -313,13 +355,14 @@ def run_variant(name: str, args) -> dict:
     """Train one variant: losses, first-step and median step time, peak memory, fp8fx's report."""
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    if name.endswith(CUDAGRAPHS):
+    options = split_options(name)[1]
+    if "cudagraphs" in options:
         torch._inductor.config.triton.cudagraphs = True
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     model = build_model(args, device)
     batches = token_batches(args, device)
     compiled = compile_variant(model, name, args)
-    opt = make_optimizer(model, args)  # after torchao's conversion, over the parameters it trains
+    opt = make_optimizer(model, name, args)  # after torchao's conversion, over the parameters it trains
 
     def step(tokens):
         return train_step(compiled, opt, tokens)
@@ -338,11 +381,13 @@ def run_variant(name: str, args) -> dict:
     losses = [float(x) for x in torch.stack(losses + timed_losses).float().cpu()]
     out = dict(
         losses=losses, final_loss=losses[-1], first_step_s=first_s, step_ms=statistics.median(times), step_ms_all=times,
-        peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+        peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else None, optimizer=type(opt).__name__ if opt else None,
     )  # fmt: skip
     out["profile"] = profile_step(step, batches[-1], cuda)
-    if args.memory and cuda and not name.endswith(CUDAGRAPHS):
+    if args.memory and cuda and "cudagraphs" not in options:
         out["memory_at_peak"] = memory_step(step, batches[-1])
+    if "o2" in options and opt is not None:
+        out.update(optimizer_times(compiled, model, opt, batches[-1], args.lr, sync))
     if args.save_code:  # Inductor's generated code, forward and backward, for reading afterwards
         os.makedirs(args.save_code, exist_ok=True)
         with open(os.path.join(args.save_code, f"{name}.py"), "w") as f:
@@ -355,6 +400,17 @@ def run_variant(name: str, args) -> dict:
             out["fp8fx_ops_called"] = fp8fx_ops_called(code)
             out["scaled_mm_called"] = len(re.findall(r"extern_kernels\._scaled_mm\(|aten\._scaled_mm\.default\(", "\n".join(code)))
     return out
+
+
+def optimizer_times(compiled, model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, lr: float, sync) -> dict:
+    """Milliseconds of `opt`'s step alone (`optimizer_ms`) and of torch.optim.AdamW(fused=True)'s
+    (`fused_adamw_ms`) on the same parameters, with the gradients of one more forward and backward,
+    timed as bench/optim_step.py times them. Issue 50's target: Fp8AdamW no slower. (The weights
+    take these steps too: after every measurement of the variant's training.)"""
+    torch.compiler.cudagraph_mark_step_begin()
+    compiled(input_ids=tokens, labels=tokens).loss.backward()
+    fused = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    return dict(optimizer_ms=ms_per_step(opt, 5, sync), fused_adamw_ms=ms_per_step(fused, 5, sync))
 
 
 def memory_step(step, tokens: torch.Tensor) -> dict:
@@ -570,14 +626,87 @@ def launch(name: str, args) -> dict:
     return dict(status="error", error=dict(type=failure[0], message=failure[1], traceback=tail))
 
 
-def add_ratios(rows: list[dict]) -> None:
-    """Speedup (BF16 step / variant step) and peak memory ratio (variant / BF16), from this run's BF16."""
-    base = next((r for r in rows if r["name"] == "bf16" and r["status"] == "ok"), None)
+def largest_batch(peak_of, base: int, cap: float) -> tuple[int | None, dict[int, float | None]]:
+    """The largest multiple of `base` whose `peak_of(batch)` (bytes; None: the run failed, as an
+    out-of-memory error does) is at most `cap` (None when `base` is over it), and each batch tried
+    with its peak. The peak is taken to grow with the batch: the search keeps the largest multiple
+    known to fit and the smallest known not to, and tries `next_multiple` between them."""
+    peaks: dict[int, float | None] = {}
+    fit, over, m = 0, None, 1  # multiples of `base`
+    while m:
+        peaks[m] = peak_of(m * base)
+        if peaks[m] is not None and peaks[m] <= cap:
+            fit = m
+        else:
+            over = m
+        m = next_multiple(peaks, fit, over, cap)
+    return fit * base or None, {k * base: p for k, p in sorted(peaks.items())}
+
+
+def next_multiple(peaks: dict[int, float | None], fit: int, over: int | None, cap: float) -> int:
+    """The next multiple to try, strictly between `fit` and `over` (0: none is left). A peak grows
+    about linearly with the batch, and each try is a cold compile: the third and fourth tries take
+    the line through the peaks at 1 and `fit` to where it meets the cap (then one step past it, to
+    find the end); the others, or where the line leads outside, double `fit` or bisect."""
+    if fit == 0 or (over is not None and over - fit <= 1):
+        return 0
+    if 1 < fit and len(peaks) <= 3 and peaks[fit] > peaks[1]:  # (only twice: no walk of single steps)
+        guess = max(fit + 1, fit + int((cap - peaks[fit]) * (fit - 1) // (peaks[fit] - peaks[1])))
+        if over is None or guess < over:
+            return guess
+    return 2 * fit if over is None else (fit + over) // 2
+
+
+def cap_search(name: str, args, first: dict) -> dict:
+    """`largest_batch` under --memory-cap for one variant, whose run at --batch was `first`; each
+    other batch a run of the variant in its own process (the module's docstring says why). Returns
+    `cap_batch`, its peak and tokens per second, and every run's batch, status, peak and step."""
+    runs = {args.batch: first}
+
+    def peak_of(batch: int) -> int | None:
+        if batch not in runs:
+            print(f"batch {batch} ...", end=" ", file=sys.stderr, flush=True)
+            # (no code saved, no allocator trace: they would replace the first run's)
+            runs[batch] = launch(name, argparse.Namespace(**dict(vars(args), batch=batch, save_code=None, memory=False)))
+            print(runs[batch]["status"], file=sys.stderr, flush=True)
+        return runs[batch].get("peak_memory_bytes")
+
+    batch, _ = largest_batch(peak_of, args.batch, args.memory_cap * 2**30)
+    at = runs.get(batch, {})
+    return dict(
+        cap_batch=batch, cap_peak_bytes=at.get("peak_memory_bytes"),
+        cap_tokens_per_s=batch * args.seq / at["step_ms"] * 1000 if batch else None,
+        cap_runs=[dict(batch=b, status=r["status"], peak_memory_bytes=r.get("peak_memory_bytes"), step_ms=r.get("step_ms"))
+                  for b, r in sorted(runs.items())],
+    )  # fmt: skip
+
+
+def ratio(a: dict | None, b: dict | None, key: str) -> float | None:
+    """a[key] / b[key], None where either row lacks it (not run, failed, not measured)."""
+    x, y = (a or {}).get(key), (b or {}).get(key)
+    return x / y if x and y else None
+
+
+def add_ratios(rows: list[dict], earlier: list[dict] = ()) -> None:
+    """Speedup (BF16 step / variant step) and peak memory ratio (variant / BF16); a variant with
+    -savedfp8 or -o2 against the same variant without them (`plain`: step and peak ratios); with
+    --memory-cap, the largest batch over BF16's and an fp8fx variant's tokens per second there over
+    torchao's (same recipe) at its own largest batch. The rows set against are this run's, else
+    those of `earlier` (--beside: every variant runs in a process of its own anyway)."""
+    ok = {r["name"]: r for r in [*earlier, *rows] if r["status"] == "ok"}
+    base = ok.get("bf16")
     for r in rows:
-        ok = base is not None and r["status"] == "ok"
-        r["speedup_vs_bf16"] = base["step_ms"] / r["step_ms"] if ok else None
-        mem = ok and base["peak_memory_bytes"] and r["peak_memory_bytes"]
-        r["memory_vs_bf16"] = r["peak_memory_bytes"] / base["peak_memory_bytes"] if mem else None
+        r["speedup_vs_bf16"] = ratio(base, r, "step_ms")
+        r["memory_vs_bf16"] = ratio(r, base, "peak_memory_bytes")
+        stem, options = split_options(r["name"])
+        if options & MEMORY_OPTIONS:
+            plain = next((p for p in ok.values() if split_options(p["name"]) == (stem, options - MEMORY_OPTIONS)), None)
+            r.update(plain=plain and plain["name"], step_vs_plain=ratio(r, plain, "step_ms"),
+                     memory_vs_plain=ratio(r, plain, "peak_memory_bytes"))  # fmt: skip
+        if "cap_batch" in r:
+            torchao = ok.get(f"torchao-{r['recipe']}") if r["kind"] == "fp8fx" else None
+            r["cap_batch_vs_bf16"] = ratio(r, base, "cap_batch")
+            r["cap_tokens_per_s_vs_torchao"] = ratio(r, torchao, "cap_tokens_per_s")
 
 
 def add_bounds(rows: list[dict]) -> None:
@@ -644,6 +773,31 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def notes(rows: list[dict], cap: float | None) -> list[str]:
+    """The lines under the table: the option variants against their plain ones, Fp8AdamW's step
+    against torch's fused AdamW, and the largest batches under the memory cap."""
+
+    def times(x: float | None, spec: str = ".2f") -> str:
+        return fmt(x, spec) + ("x" if x else "")
+
+    lines = []
+    for r in rows:
+        name = r["name"]
+        if r.get("plain"):
+            step, peak = times(r["step_vs_plain"], ".3f"), times(r["memory_vs_plain"], ".3f")
+            lines.append(f"{name} against {r['plain']}: step {step}, peak {peak}")
+        if r.get("optimizer_ms"):
+            ms, fused = r["optimizer_ms"], r["fused_adamw_ms"]
+            lines.append(f"{name}: {r['optimizer']} step {ms:.2f} ms, AdamW(fused=True) {fused:.2f} ms ({ms / fused:.2f}x)")
+        if r.get("cap_runs"):
+            runs = ", ".join(f"{t['batch']}: {fmt(t['peak_memory_bytes'], '.1f', 2**-30)} ({t['status']})" for t in r["cap_runs"])
+            batch, tokens = fmt(r["cap_batch"], ".0f"), fmt(r["cap_tokens_per_s"], ".0f")
+            vs_bf16, vs_torchao = times(r["cap_batch_vs_bf16"]), times(r["cap_tokens_per_s_vs_torchao"])
+            lines.append(f"{name}: largest batch under {cap:g} GiB {batch} ({vs_bf16} bf16's), {tokens} tokens/s ({vs_torchao} "
+                         f"torchao's at its own); peak GiB by batch: {runs}")  # fmt: skip
+    return lines
+
+
 def write_json(args, env: dict, estimate: dict, rows: list[dict]) -> None:
     if not args.json:
         return
@@ -665,6 +819,13 @@ def parent(args) -> int:
     fit = f"; {estimate['layers_that_fit']} layers would fit in this GPU's {estimate['gpu_bytes'] / 2**30:.0f} GiB" if env["gpu"] else ""
     print(f"memory estimate: {estimate['bytes'] / 2**30:.1f} GiB for {args.layers} layers, {estimate['params'] / 1e9:.2f} B parameters{fit}",
           flush=True)  # fmt: skip
+    earlier = []
+    if args.beside:  # (a script's earlier stage may have been skipped)
+        try:
+            with open(args.beside) as f:
+                earlier = json.load(f)["variants"]
+        except FileNotFoundError:
+            print(f"--beside {args.beside}: no such file; ratios from this run's rows alone", file=sys.stderr)
     rows = []
     for name in args.variants or default_variants(args):
         kind, recipe, kernels = parse_variant(name)
@@ -677,7 +838,9 @@ def parent(args) -> int:
             t0 = time.perf_counter()
             rows.append(dict(row, **launch(name, args), wall_s=time.perf_counter() - t0))
             print(f"{rows[-1]['status']} ({rows[-1]['wall_s']:.0f} s)", file=sys.stderr, flush=True)
-        add_ratios(rows)
+            if args.memory_cap and env["gpu"] and rows[-1]["status"] == "ok":
+                rows[-1].update(cap_search(name, args, rows[-1]))
+        add_ratios(rows, earlier)
         add_bounds(rows)
         write_json(args, env, estimate, rows)  # after each variant: a run cut short keeps what it measured
     where = f"{env['gpu']} (sm_{env['capability'].replace('.', '')})" if env["gpu"] else "CPU"
@@ -688,6 +851,10 @@ def parent(args) -> int:
     if args.model == "te-layer":
         print(TE_PUBLISHED + "\n")
     print(markdown(rows))
+    cpu_cap = ["--memory-cap: not measured on CPU (no peak memory there)"] if args.memory_cap and not env["gpu"] else []
+    lines = [*notes(rows, args.memory_cap), *cpu_cap]
+    if lines:
+        print("\n" + "\n".join(lines))
     if args.json:
         print(f"\nwrote {args.json}", file=sys.stderr)
     return 0 if all(r["status"] != "error" for r in rows) else 1
@@ -723,6 +890,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default $OUT/llama_gpu.json when OUT is set)")
     ap.add_argument("--memory", action="store_true", help="one more step with the CUDA allocator's history: what is alive at its peak")
     ap.add_argument("--save-code", metavar="DIR", help="write each variant's Inductor output code to DIR/<variant>.py")
+    ap.add_argument("--beside", metavar="JSON", help="an earlier run's --json: rows the ratios may take (bf16, plain variants)")
+    cap_help = "also the largest multiple of --batch whose step peaks under GIB, and its tokens/s (a run per batch; CUDA only)"
+    ap.add_argument("--memory-cap", type=float, metavar="GIB", help=cap_help)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -2,7 +2,8 @@
 against plain BF16 Inductor and torchao's float8 training, in one run.
 
 Run: python bench/peak_memory.py [--layers 2 --hidden 256 --intermediate 896 --vocab 2048 --seq 256 --batch 2]
-         [--variants bf16,fp8fx-tensorwise,fp8fx-rowwise,torchao-tensorwise,torchao-rowwise] [--top 12] [--cpu-realize]
+         [--variants bf16,fp8fx-tensorwise,fp8fx-rowwise,fp8fx-rowwise-savedfp8,torchao-tensorwise,torchao-rowwise]
+         [--top 12] [--cpu-realize]
 
 Every variant is compiled with Inductor, its FP8 GEMMs as `aten._scaled_mm` (the graph a GPU's cuBLAS
 GEMMs make; torch's CPU build runs them), and one step (forward and backward of the loss) runs
@@ -12,6 +13,12 @@ alike). Allocations made and freed inside one `aten._scaled_mm` call are left ou
 upcasts its operands to fp32 there, where cuBLAS allocates nothing. Inductor decides which values to
 store by a GPU's rule (`gpu_realize_rule`; `--cpu-realize` keeps the CPU's). Prints each variant's peak, its
 ratio to BF16's, and the sizes alive at that moment (`--top`). The project's target: at most BF16's.
+
+fp8fx-<recipe>-savedfp8 sets the backend option saved_activations="fp8" (what backward reads besides
+the FP8 GEMMs' operands kept in FP8 too), and its line gives the ratio to fp8fx-<recipe>'s peak as
+well. O2's optimizer (fp8fx.runtime.optim.Fp8AdamW) has no variant here: it changes only the
+optimizer's state, allocated before the step and so no part of this peak (bench/llama_gpu.py's -o2
+variants measure a whole step with it).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 import fp8fx
 
 SCALED_MM = "aten::_scaled_mm"
+SAVED_FP8 = "-savedfp8"
 
 
 class Loss(torch.nn.Module):
@@ -42,14 +50,16 @@ class Loss(torch.nn.Module):
 
 
 def compiled_step(variant: str, args) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(the BF16 Llama, its loss compiled as `variant`: bf16, fp8fx-<recipe> or torchao-<recipe>)."""
-    kind, _, recipe = variant.partition("-")
-    if kind not in ("fp8fx", "torchao") and variant != "bf16":
-        raise SystemExit(f"unknown variant {variant!r}: bf16, fp8fx-<recipe> or torchao-<recipe>")
+    """(the BF16 Llama, its loss compiled as `variant`: bf16, fp8fx-<recipe>[-savedfp8] or torchao-<recipe>)."""
+    saved = variant.endswith(SAVED_FP8)
+    kind, _, recipe = variant.removesuffix(SAVED_FP8).partition("-")
+    if (kind not in ("fp8fx", "torchao") and variant != "bf16") or (saved and kind != "fp8fx"):
+        raise SystemExit(f"unknown variant {variant!r}: bf16, fp8fx-<recipe>[{SAVED_FP8}] or torchao-<recipe>")
     model, _ = torchao_llama(recipe, args) if kind == "torchao" else llama(args)
     model = model.to(torch.bfloat16)
     if kind == "fp8fx":
-        backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor", cublas_devices=cublas_devices(args))
+        backend = fp8fx.backend(policy=fp8fx.Policy.from_recipe(recipe), inner="inductor", cublas_devices=cublas_devices(args),
+                                saved_activations="fp8" if saved else None)  # fmt: skip
         return model, torch.compile(Loss(model), backend=backend)
     return model, torch.compile(Loss(model))
 
@@ -104,7 +114,8 @@ def main() -> None:
     for name, default in (("layers", 2), ("hidden", 256), ("intermediate", 896), ("heads", 4), ("kv-heads", 2), ("vocab", 2048),
                           ("seq", 256), ("batch", 2), ("top", 12)):  # fmt: skip
         ap.add_argument(f"--{name}", type=int, default=default)
-    ap.add_argument("--variants", default="bf16,fp8fx-tensorwise,fp8fx-rowwise,torchao-tensorwise,torchao-rowwise")
+    variants = "bf16,fp8fx-tensorwise,fp8fx-tensorwise-savedfp8,fp8fx-rowwise,fp8fx-rowwise-savedfp8,torchao-tensorwise,torchao-rowwise"
+    ap.add_argument("--variants", default=variants)
     ap.add_argument("--cpu-realize", action="store_true", help="store values as Inductor does on a CPU, not as on a GPU")
     args = ap.parse_args()
     # (what fusion_counts' models and fp8fx's backends read: torchao's GEMMs `_scaled_mm` calls too, and
@@ -123,9 +134,11 @@ def main() -> None:
                 step(ids).backward()
             model.zero_grad(set_to_none=True)
             peaks[variant], sizes = peak(allocations(lambda: step(ids).backward()))
-        ratio = f"{peaks[variant] / peaks['bf16']:.3f}x BF16's" if "bf16" in peaks else ""
+        plain = variant.removesuffix(SAVED_FP8)
+        against = ["bf16", *([plain] if plain != variant else [])]
+        ratios = ", ".join(f"{peaks[variant] / peaks[other]:.3f}x {other}'s" for other in against if other in peaks)
         alive = ", ".join(f"{n} x {b / 2**10:.0f} KiB" for b, n in sorted(sizes.items(), reverse=True)[: args.top])
-        print(f"{variant:<20} peak {peaks[variant] / 2**20:7.2f} MiB  {ratio:>14}   alive then: {alive}", flush=True)
+        print(f"{variant:<26} peak {peaks[variant] / 2**20:7.2f} MiB  {ratios:>14}   alive then: {alive}", flush=True)
     print("target: every fp8fx variant at most BF16's peak")
 
 

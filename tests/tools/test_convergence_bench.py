@@ -1,6 +1,6 @@
 """bench/convergence.py's smoke tests: the default runs are built as their names say (no compile:
-Inductor's takes a minute on CPU), and a tiny --autocast training writes its rows and reports the
-gaps to the bf16 run."""
+Inductor's takes a minute on CPU), so are the options' (-savedfp8, -o2), and a tiny --autocast
+training writes its rows and reports the gaps to the bf16 run."""
 
 from __future__ import annotations
 
@@ -38,6 +38,27 @@ def test_default_runs_are_the_defaults():
     found = _find_backend(run)
     assert (found.saved_outputs, found.inner, found.policy) == ("high", "inductor", fp8fx.Policy())
     assert context._enabled and context.fast_dtype == torch.bfloat16
+
+
+def test_option_suffixes(tmp_path, monkeypatch):
+    """-savedfp8 sets fp8fx's backend option, -o2 trains with Fp8AdamW; -savedfp8 is fp8fx's only."""
+    from fp8fx.runtime.optim import Fp8AdamW
+
+    bench = _bench()
+    assert bench.split_run("fp8fx-rowwise-savedfp8-o2") == ("fp8fx-rowwise", True, True)
+    run, _ = bench.prepare_run("fp8fx-rowwise-savedfp8-o2", _tiny(bench))
+    found = _find_backend(run)
+    assert (found.saved_activations, found.inner, found.policy.defaults.granularity.value) == ("fp8", "eager", "rowwise")
+    made = []
+    monkeypatch.setattr(bench, "Fp8AdamW", lambda *args, **kwargs: made.append(Fp8AdamW(*args, **kwargs)) or made[-1])
+    args = ["--runs", "bf16-o2", "--steps", "1", "--eval-batches", "1", "--seeds", "1", "--layers", "1", "--dim", "32",
+            "--heads", "2", "--seq", "16", "--batch", "2", "--out-dir", str(tmp_path)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["convergence.py", *args])
+    bench.main()
+    assert len(made) == 1 and made[0].state  # it stepped
+    monkeypatch.setattr(sys, "argv", ["convergence.py", "--runs", "bf16-savedfp8", "--out-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"unknown run\(s\) \['bf16-savedfp8'\]"):
+        bench.main()
 
 
 def test_torchao_default_converts_every_linear():

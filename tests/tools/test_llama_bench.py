@@ -1,12 +1,15 @@
-"""bench/llama_gpu.py's CPU smoke test: a tiny Llama, BF16 beside one fp8fx recipe, each variant in
-its own process (inner="eager": no Inductor compile), read back from the JSON it writes; the TE-shaped
-layer, the bound, the variant sets and the memory estimate. On CPU the timings mean nothing: the
-tests check that the code paths run and fit together."""
+"""bench/llama_gpu.py's CPU smoke test: a tiny Llama, BF16 beside one fp8fx recipe with and without
+the options, each variant in its own process (inner="eager": no Inductor compile), read back from the
+JSON it writes; the TE-shaped layer, the bound, the variant names and sets, the memory estimate and
+the search for the largest batch under a memory cap (with made-up peaks: a CPU measures none). On
+CPU the timings mean nothing: the tests check that the code paths run and fit together."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -17,21 +20,28 @@ import torch
 from fp8fx.core.recipes import RECIPES
 
 ROOT = Path(__file__).resolve().parents[2]
+OPTIONS = "fp8fx-tensorwise-auto-keep-savedfp8-o2"  # every option suffix but -cudagraphs, in one process
 
 
 def test_llama_bench_tiny_on_cpu(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "llama.json"
     cmd = [sys.executable, str(ROOT / "bench" / "llama_gpu.py"), "--device", "cpu", "--tiny", "--steps", "2", "--warmup", "1",
-           "--inner", "eager", "--variants", "bf16,fp8fx-tensorwise-auto,fp8fx-tensorwise-auto-keep", "--json", str(out)]  # fmt: skip
+           "--inner", "eager", "--variants", f"bf16,fp8fx-tensorwise-auto,{OPTIONS}", "--memory-cap", "1", "--json", str(out)]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     rows = {r["name"]: r for r in json.loads(out.read_text())["variants"]}
-    assert set(rows) == {"bf16", "fp8fx-tensorwise-auto", "fp8fx-tensorwise-auto-keep"}
+    assert set(rows) == {"bf16", "fp8fx-tensorwise-auto", OPTIONS}
     for r in rows.values():
         assert r["status"] == "ok", r
         assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"]), r["losses"]
-        assert r["step_ms"] > 0 and r["first_step_s"] > 0 and r["peak_memory_bytes"] is None
+        assert r["step_ms"] > 0 and r["first_step_s"] > 0 and r["peak_memory_bytes"] is None and "cap_batch" not in r
+    # Each variant steps with its optimizer; -savedfp8 keeps saved activations in FP8; -o2 times its step beside fused AdamW's.
+    assert [r["optimizer"] for r in rows.values()] == ["AdamW", "AdamW", "Fp8AdamW"]
+    assert rows[OPTIONS]["fp8fx_report"]["saved_activations"]["fp8_tensors"] > 0
+    assert rows["fp8fx-tensorwise-auto"]["fp8fx_report"]["saved_activations"] is None
+    assert rows[OPTIONS]["optimizer_ms"] > 0 and rows[OPTIONS]["fused_adamw_ms"] > 0
+    assert f"{OPTIONS}: Fp8AdamW step" in run.stdout and "--memory-cap: not measured on CPU" in run.stdout
     summary = rows["fp8fx-tensorwise-auto"]["fp8fx_report"]
     assert summary["fp8_gemms"] >= 1, summary
     assert rows["bf16"]["speedup_vs_bf16"] == 1.0
@@ -54,7 +64,7 @@ def test_te_layer_and_the_bound_in_process():
     assert (args.layers, args.kv_heads, args.vocab) == (1, args.heads, 0)
     rows = [dict(name=n, kind=n.split("-")[0], recipe="tensorwise", status="ok", **llama_gpu.run_variant(n, args))
             for n in ("bf16", "fp8fx-tensorwise-auto")]  # fmt: skip
-    assert llama_gpu.make_optimizer(torch.nn.Linear(2, 2), args) is None
+    assert llama_gpu.make_optimizer(torch.nn.Linear(2, 2), "bf16-o2", args) is None
     bf16, fp8 = rows
     assert bf16["losses"] == pytest.approx(fp8["losses"], rel=0.05)  # one batch, no optimizer: the same output each step
     report = fp8["fp8fx_report"]
@@ -122,3 +132,57 @@ def test_the_dispatch_table_the_steps_follow_is_recorded(tmp_path, monkeypatch):
                bf16_tflops=1.0, shape="s")  # fmt: skip
     selftest.write_json(selftest.dispatch_table({}, gpu, [row, row]), dispatch.table_path(gpu["name"]))
     assert llama_gpu.dispatch_table_of(gpu["name"]) == dict(path=str(tmp_path / "dispatch-NVIDIA-H100-80GB-HBM3.json"), gemms=2)
+
+
+def test_option_suffixes_and_the_rows_they_are_set_against():
+    """Option suffixes in any order, each once, -keep and -savedfp8 on fp8fx only; -o2 steps with
+    Fp8AdamW; an option variant is set against the same variant without -savedfp8 and -o2."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import llama_gpu
+
+    from fp8fx.runtime.optim import Fp8AdamW
+
+    assert llama_gpu.split_options("fp8fx-rowwise-auto-o2-savedfp8-cudagraphs") == ("fp8fx-rowwise-auto", {"o2", "savedfp8", "cudagraphs"})
+    assert llama_gpu.parse_variant("torchao-rowwise-o2") == ("torchao", "rowwise", None)
+    for bad in ("bf16-savedfp8", "torchao-rowwise-keep", "fp8fx-rowwise-auto-o2-o2", "fp8fx-rowwise-o2"):
+        with pytest.raises(ValueError, match="unknown variant"):
+            llama_gpu.parse_variant(bad)
+    args = llama_gpu.parse_args(["--device", "cpu", "--tiny"])
+    assert isinstance(llama_gpu.make_optimizer(torch.nn.Linear(2, 2), "bf16-o2-cudagraphs", args), Fp8AdamW)
+    assert type(llama_gpu.make_optimizer(torch.nn.Linear(2, 2), "fp8fx-rowwise-auto-savedfp8", args)) is torch.optim.AdamW
+
+    def row(name, step_ms, peak, **more):
+        kind, recipe, _ = llama_gpu.parse_variant(name)
+        return dict(name=name, kind=kind, recipe=recipe, status="ok", step_ms=step_ms, peak_memory_bytes=peak, **more)
+
+    rows = [row("bf16", 10.0, 100, cap_batch=8), row("torchao-rowwise", 8.0, 90, cap_batch=8, cap_tokens_per_s=1000.0),
+            row("fp8fx-rowwise-auto", 8.0, 80), row("fp8fx-rowwise-auto-savedfp8-o2", 8.2, 60, cap_batch=12, cap_tokens_per_s=1200.0)]  # fmt: skip
+    llama_gpu.add_ratios(rows[1:], earlier=rows[:1])  # BF16's row from an earlier run (--beside)
+    options = rows[-1]
+    assert options["plain"] == "fp8fx-rowwise-auto" and (options["step_vs_plain"], options["memory_vs_plain"]) == (8.2 / 8, 0.75)
+    assert (options["speedup_vs_bf16"], options["memory_vs_bf16"]) == (10 / 8.2, 0.6)
+    assert (options["cap_batch_vs_bf16"], options["cap_tokens_per_s_vs_torchao"]) == (1.5, 1.2)
+    assert "plain" not in rows[2] and rows[1]["cap_tokens_per_s_vs_torchao"] is None
+    assert "fp8fx-rowwise-auto-savedfp8-o2 against fp8fx-rowwise-auto: step 1.025x, peak 0.750x" in llama_gpu.notes(rows, 40)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_largest_batch_under_a_cap_with_made_up_peaks(seed):
+    """`largest_batch` against trying every batch: peaks growing linearly with the batch (found in 3
+    runs beyond the first), faster or slower, or failing (None, as out of memory) from some batch on."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import llama_gpu
+
+    rng = random.Random(seed)
+    base, fixed, per_sample, power = rng.choice([1, 2, 4]), rng.uniform(1, 8), rng.uniform(0.05, 2), rng.choice([1, 1, 1.3, 0.8])
+    oom, cap = rng.choice([None, rng.randrange(1, 200)]), 40
+
+    def peak(batch):
+        return None if oom is not None and batch >= oom else fixed + per_sample * batch**power
+
+    fits = list(itertools.takewhile(lambda b: peak(b) is not None and peak(b) <= cap, itertools.count(base, base)))
+    found, tried = llama_gpu.largest_batch(peak, base, cap)
+    assert found == (fits[-1] if fits else None), tried
+    assert all(b % base == 0 and p == peak(b) for b, p in tried.items()) and base in tried
+    if power == 1 and oom is None:
+        assert len(tried) <= 4, tried
