@@ -130,12 +130,12 @@ def _triton_configs(configs, pre_hook=None) -> list:
 
 
 @functools.cache
-def autotuner(target: str, family: str, variant: GemmVariant):
+def autotuner(target: str, family: str, variant: GemmVariant, partial: bool = False):
     """The autotuner of one variant on one target: over the target's configs for it, keyed on
     (M bucket, N, K, split count: `variants.split_k` reads M itself). The same construction serves
-    GPUs and the interpreter."""
+    GPUs and the interpreter. `partial`: split-K's partial-sum kernel (its own configs, PARTIAL set)."""
     kernel, pre_hook = _kernel(family)
-    configs = _triton_configs(configs_for(target, variant, family), pre_hook)
+    configs = _triton_configs(configs_for(target, variant, family, partial), pre_hook)
     if not configs:
         raise ValueError(f"fp8fx: no {family} tile config of {target} fits variant {variant.name}")
     return triton.autotune(configs=configs, key=["M_BUCKET", "N", "K", "SPLIT_K"])(kernel)
@@ -150,7 +150,7 @@ def _multiprocessors(device: torch.device) -> int:
 class GemmPlan(NamedTuple):
     """What one call signature of `fp8_gemm` launches, validated once: the variant, its constexprs,
     the kernel family and its autotuner, the SMs a persistent kernel spreads over, the target, and
-    the tile `variants.split_k` counts output tiles in (the target's first config)."""
+    the tile `variants.split_k` counts output tiles in (the first config of split-K's partial sums)."""
 
     variant: GemmVariant
     constexprs: dict
@@ -183,8 +183,8 @@ def gemm_plan(
         )
     if empty_k:
         family = "pointer"  # nothing to load: a descriptor cannot describe an empty K
-    kernel = autotuner(target, family, variant)
-    return GemmPlan(variant, constexprs, family, kernel, _multiprocessors(device), target, configs_for(target, variant, family)[0])
+    split_tile = configs_for(target, variant, family, partial=True)[0]
+    return GemmPlan(variant, constexprs, family, autotuner(target, family, variant), _multiprocessors(device), target, split_tile)
 
 
 def fp8_gemm(
@@ -295,7 +295,7 @@ def fp8_gemm(
     # then the reduction adds them in split order and runs the scales and the epilogue into `out`.
     workspace = torch.empty((splits, m, n), dtype=torch.float32, device=device)
     grid = lambda meta: gemm_grid(m, n, _config_of(meta), family, sms, splits)  # noqa: E731
-    plan.kernel[grid](*gemm_args(workspace), **plan.constexprs, PARTIAL=True)
+    autotuner(plan.target, family, plan.variant, partial=True)[grid](*gemm_args(workspace), **plan.constexprs, PARTIAL=True)
     tile = SPLIT_K_REDUCE[plan.target]
     reduce_grid = gemm_grid(m, n, tile, "pointer", sms)
     split_k_reduce_kernel[reduce_grid](

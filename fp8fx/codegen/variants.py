@@ -404,11 +404,21 @@ def gemm_family(target: str, variant: GemmVariant) -> str:
     return DEFAULT_FAMILY[target]
 
 
-def configs_for(target: str, variant: GemmVariant, family: str | None = None) -> tuple[TileConfig, ...]:
-    """Configs of `target` usable for `variant`: with K-block scales, BLOCK_K must divide the K-block."""
-    configs = CONFIGS[target, family or DEFAULT_FAMILY[target]]
+# Split-K's partial-sum kernels that spill (bytes, Triton 3.9): excluded from `configs_for(partial=True)`.
+# The sm_100a pointer kernel (the fallback there: Blackwell runs tma, mx) with 128 x 64 tiles: 16.
+_PARTIAL_SPILLS = {("sm_100a", "pointer", 128, 64)}
+
+
+def configs_for(target: str, variant: GemmVariant, family: str | None = None, partial: bool = False) -> tuple[TileConfig, ...]:
+    """Configs of `target` usable for `variant`: with K-block scales, BLOCK_K must divide the K-block.
+    `partial`: for split-K's partial sums, which run no epilogue (the reduction kernel does), so
+    the epilogue's limit on tile sizes does not apply."""
+    family = family or DEFAULT_FAMILY[target]
+    configs = CONFIGS[target, family]
     e = variant.epilogue
-    if target != "interpreter" and (e.mul != "none" or e.residual or (e.activation != "none" and e.aux != "none")):
+    if partial:
+        configs = tuple(c for c in configs if (target, family, c.block_m, c.block_n) not in _PARTIAL_SPILLS)
+    elif target != "interpreter" and (e.mul != "none" or e.residual or (e.activation != "none" and e.aux != "none")):
         # Epilogues that load full tiles of other tensors, or keep a value beside its activation,
         # hold a second tile in registers beside the accumulator: at most 32 accumulator values per
         # thread keeps them from spilling (bias + GELU + pre-activation aux spilled 8-20 bytes at
