@@ -294,7 +294,7 @@ def fp8_gemm(
     # Split-K: the GEMM kernel writes each split's fp32 partial sums to the workspace in out's place,
     # then the reduction adds them in split order and runs the scales and the epilogue into `out`.
     workspace = torch.empty((splits, m, n), dtype=torch.float32, device=device)
-    grid = lambda meta: gemm_grid(m, n, _config_of(meta), family, sms, splits)  # noqa: E731
+    grid = lambda meta: gemm_grid(m, n, _config_of(meta), family, sms, splits)
     autotuner(plan.target, family, plan.variant, partial=True)[grid](*gemm_args(workspace), **plan.constexprs, PARTIAL=True)
     tile = SPLIT_K_REDUCE[plan.target]
     reduce_grid = gemm_grid(m, n, tile, "pointer", sms)

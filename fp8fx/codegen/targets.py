@@ -160,7 +160,9 @@ def _gemm_kernel(variant: GemmVariant, arch: str, config: TileConfig, family: st
     return _compile(fn, signature, constexprs, arch, config.num_warps, config.num_stages, aligned)
 
 
-def build_gemm(variant: GemmVariant, arch: str, config: TileConfig, family: str = "pointer", partial: bool = False) -> BuildResult:
+def build_gemm(
+    variant: GemmVariant, arch: str, config: TileConfig, family: str = "pointer", partial: bool = False
+) -> BuildResult:
     """One GEMM kernel built; `partial`: the split-K form (named `<variant>.split_k`)."""
     kernel = _gemm_kernel(variant, arch, config, family, partial)
     name = f"{variant.name}.split_k" if partial else variant.name

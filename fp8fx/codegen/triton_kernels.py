@@ -414,7 +414,17 @@ def fp8_gemm_kernel(
     else:
         if not PER_K_SCALES and not BLOCK_SCALED_MMA:
             acc = apply_scales(
-                acc, offs_m, offs_n, mask_m, mask_n, scale_a_ptr, scale_b_ptr, stride_sa_row, stride_sb_col, A_ROW_BLOCK, B_COL_BLOCK
+                acc,
+                offs_m,
+                offs_n,
+                mask_m,
+                mask_n,
+                scale_a_ptr,
+                scale_b_ptr,
+                stride_sa_row,
+                stride_sb_col,
+                A_ROW_BLOCK,
+                B_COL_BLOCK,
             )
         epilogue_store(
             acc,

@@ -12,7 +12,16 @@ import torch
 
 from fp8fx.codegen import launch
 from fp8fx.codegen.targets import coverage_variants
-from fp8fx.codegen.variants import CONFIGS, GRID_LIMITS, SPLIT_K_MIN_K, TARGETS, GemmVariant, QuantizeVariant, configs_for, split_k
+from fp8fx.codegen.variants import (
+    CONFIGS,
+    GRID_LIMITS,
+    SPLIT_K_MIN_K,
+    TARGETS,
+    GemmVariant,
+    QuantizeVariant,
+    configs_for,
+    split_k,
+)
 
 GEMMS = [v for v in coverage_variants() if isinstance(v, GemmVariant)]
 GEMMS += [v.__class__(**{**v.__dict__, "fast_accum": True}) for v in GEMMS[:2]]

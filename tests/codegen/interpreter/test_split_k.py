@@ -31,8 +31,22 @@ HEAVY = Epilogue(bias=True, activation="gelu", aux="pre_activation", out_amax=Tr
 CASES = [
     (((), ()), Epilogue(), torch.bfloat16, (20, 30, 700), (E4M3, E4M3), "tma"),
     (((1, 0), (0, 1)), HEAVY, torch.float32, (32, 17, 1000), (E5M2, E4M3), "tma"),
-    (((1, 0), (0, 1)), Epilogue(activation="silu", mul="by_other", residual=True, aux="product"), E4M3, (9, 32, 777), (E4M3, E5M2), "pointer"),
-    (((), ()), Epilogue(bias=True, residual=True, aux="sum", out_amax=True), torch.float16, (1, 24, 520), (E4M3, E4M3), "pointer"),
+    (
+        ((1, 0), (0, 1)),
+        Epilogue(activation="silu", mul="by_other", residual=True, aux="product"),
+        E4M3,
+        (9, 32, 777),
+        (E4M3, E5M2),
+        "pointer",
+    ),
+    (
+        ((), ()),
+        Epilogue(bias=True, residual=True, aux="sum", out_amax=True),
+        torch.float16,
+        (1, 24, 520),
+        (E4M3, E4M3),
+        "pointer",
+    ),
     (((1, 128), (128, 128)), Epilogue(activation="relu"), torch.bfloat16, (24, 32, 640), (E4M3, E4M3), "tma"),
 ]
 
@@ -53,14 +67,18 @@ def splits_run(monkeypatch) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("blocks,epilogue,out_dtype,shape,formats,family", CASES, ids=lambda v: getattr(v, "spec", lambda: str(v))() or "plain")
+@pytest.mark.parametrize(
+    "blocks,epilogue,out_dtype,shape,formats,family", CASES, ids=lambda v: getattr(v, "spec", lambda: str(v))() or "plain"
+)
 def test_split_k_by_the_rule_matches_reference(blocks, epilogue, out_dtype, shape, formats, family, monkeypatch):
     """The rule splits these GEMMs (one output tile, K >= 512), and the result is the reference's up
     to summation order, bit-identical when run again (a fixed reduction order, no atomics)."""
     seen = splits_run(monkeypatch)
     m, n, k = shape
     variant = GemmVariant(*formats, *blocks)
-    expected = split_k("interpreter", m, n, k, configs_for("interpreter", variant, family, partial=True)[0], launch.INTERPRETER_SMS)
+    expected = split_k(
+        "interpreter", m, n, k, configs_for("interpreter", variant, family, partial=True)[0], launch.INTERPRETER_SMS
+    )
     assert expected >= 2
     seed = case_seed(blocks, epilogue.spec(), shape)
     got, ref = run_both(blocks, epilogue, out_dtype, shape, formats, False, seed, family)
@@ -68,7 +86,9 @@ def test_split_k_by_the_rule_matches_reference(blocks, epilogue, out_dtype, shap
     assert_matches(epilogue, got, ref)
     again, _ = run_both(blocks, epilogue, out_dtype, shape, formats, False, seed, family)
     for x, y in zip(got, again):
-        assert (x is None and y is None) or torch.equal(x.view(torch.uint8) if x.dtype == E4M3 else x, y.view(torch.uint8) if y.dtype == E4M3 else y)
+        assert (x is None and y is None) or torch.equal(
+            x.view(torch.uint8) if x.dtype == E4M3 else x, y.view(torch.uint8) if y.dtype == E4M3 else y
+        )
 
 
 @pytest.mark.parametrize("family", ["tma", "pointer"])
@@ -80,7 +100,9 @@ def test_forced_split_counts_including_empty_splits(family, monkeypatch):
     b, sb = fp8_operand((200, 36), E4M3, (0, 1), 6, column_major=True)
     ref = reference.scaled_mm(a, b, sa, sb, None, torch.float32, [1, 0], [0, 1])
     for splits in (1, 3, 5, 9):
-        out, _, _ = launch.fp8_gemm(a, b, sa, sb, block_a=(1, 0), block_b=(0, 1), out_dtype=torch.float32, family=family, splits=splits)
+        out, _, _ = launch.fp8_gemm(
+            a, b, sa, sb, block_a=(1, 0), block_b=(0, 1), out_dtype=torch.float32, family=family, splits=splits
+        )
         close_as(out, ref)
     assert seen == [3, 5, 9]
     with pytest.raises(ValueError, match="splits must be a positive int"):
@@ -94,11 +116,22 @@ def test_mx_blocks_split_by_the_rule(monkeypatch):
     a, sa = mx_operand((16, 1000), E4M3, MX_A, 7)
     b, sb = mx_operand((1000, 32), E4M3, MX_B, 8)
     bias = torch.randn(32, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
-    out, _, _ = launch.fp8_gemm(a, b, sa, sb, block_a=MX_A, block_b=MX_B, epilogue=Epilogue(bias=True), bias=bias, out_dtype=torch.float32)
+    out, _, _ = launch.fp8_gemm(
+        a, b, sa, sb, block_a=MX_A, block_b=MX_B, epilogue=Epilogue(bias=True), bias=bias, out_dtype=torch.float32
+    )
     close_as(out, reference.scaled_mm(a, b, sa, sb, bias, torch.float32, list(MX_A), list(MX_B)))
-    assert len(seen) == 1 and seen[0] >= 2 and launch.gemm_plan(
-        (E4M3, E4M3, MX_A, MX_B, Epilogue(bias=True), torch.float32, torch.bfloat16, False), a.device, (True, False, False, False), None, False
-    ).family == MX_FAMILY
+    assert (
+        len(seen) == 1
+        and seen[0] >= 2
+        and launch.gemm_plan(
+            (E4M3, E4M3, MX_A, MX_B, Epilogue(bias=True), torch.float32, torch.bfloat16, False),
+            a.device,
+            (True, False, False, False),
+            None,
+            False,
+        ).family
+        == MX_FAMILY
+    )
 
 
 def test_split_k_op_output_matches_its_fake(monkeypatch):
