@@ -18,11 +18,12 @@ import torch
 import triton
 from torch import Tensor
 
-from fp8fx.codegen.triton_kernels import amax_kernel, fp8_gemm_kernel, quantize_kernel
+from fp8fx.codegen.triton_kernels import amax_kernel, fp8_gemm_kernel, quantize_kernel, split_k_reduce_kernel
 from fp8fx.codegen.variants import (
     GRID_LIMITS,
     GROUPED_BLOCK_SCALED_TARGETS,
     NVFP4_CONFIGS,
+    SPLIT_K_REDUCE,
     GemmVariant,
     GroupedVariant,
     QuantizeVariant,
@@ -31,6 +32,7 @@ from fp8fx.codegen.variants import (
     device_target,
     gemm_family,
     nvfp4_blocks,
+    split_k,
 )
 from fp8fx.codegen.versions import interpreter_active
 from fp8fx.core import fp4
@@ -99,16 +101,18 @@ def m_bucket(m: int) -> int:
     return max(16, 1 << max(m - 1, 0).bit_length())
 
 
-def gemm_grid(m: int, n: int, config: TileConfig, family: str, sms: int) -> tuple[int]:
-    """Programs of one launch: a program per output tile (pointer, mx), or at most one per SM
-    looping over tiles (tma, persistent). Checked against CUDA's grid limit."""
+def gemm_grid(m: int, n: int, config: TileConfig, family: str, sms: int, splits: int = 1) -> tuple[int] | tuple[int, int]:
+    """Programs of one launch: a program per output tile (pointer, mx; with split-K, `splits` of
+    them along grid y), or at most one per SM looping over tiles, or over (split, tile) pairs
+    (tma, persistent). Checked against CUDA's grid limits."""
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    programs = min(sms, tiles) if family == "tma" else tiles
-    if programs > GRID_LIMITS[0]:
+    programs = min(sms, tiles * splits) if family == "tma" else tiles
+    if programs > GRID_LIMITS[0] or (family != "tma" and splits > GRID_LIMITS[1]):
         raise ValueError(
-            f"fp8fx FP8 GEMM: {m} x {n} needs {programs} tiles of {config.block_m} x {config.block_n}, over CUDA's grid limit"
+            f"fp8fx FP8 GEMM: {m} x {n} needs {programs} tiles of {config.block_m} x {config.block_n}"
+            f"{f' in {splits} K splits' if splits > 1 else ''}, over CUDA's grid limits"
         )
-    return (programs,)
+    return (programs, splits) if family != "tma" and splits > 1 else (programs,)
 
 
 def _kernel(family: str):
@@ -126,14 +130,15 @@ def _triton_configs(configs, pre_hook=None) -> list:
 
 
 @functools.cache
-def autotuner(target: str, family: str, variant: GemmVariant):
+def autotuner(target: str, family: str, variant: GemmVariant, partial: bool = False):
     """The autotuner of one variant on one target: over the target's configs for it, keyed on
-    (M bucket, N, K). The same construction serves GPUs and the interpreter."""
+    (M bucket, N, K, split count: `variants.split_k` reads M itself). The same construction serves
+    GPUs and the interpreter. `partial`: split-K's partial-sum kernel (its own configs, PARTIAL set)."""
     kernel, pre_hook = _kernel(family)
-    configs = _triton_configs(configs_for(target, variant, family), pre_hook)
+    configs = _triton_configs(configs_for(target, variant, family, partial), pre_hook)
     if not configs:
         raise ValueError(f"fp8fx: no {family} tile config of {target} fits variant {variant.name}")
-    return triton.autotune(configs=configs, key=["M_BUCKET", "N", "K"])(kernel)
+    return triton.autotune(configs=configs, key=["M_BUCKET", "N", "K", "SPLIT_K"])(kernel)
 
 
 def _multiprocessors(device: torch.device) -> int:
@@ -144,13 +149,16 @@ def _multiprocessors(device: torch.device) -> int:
 
 class GemmPlan(NamedTuple):
     """What one call signature of `fp8_gemm` launches, validated once: the variant, its constexprs,
-    the kernel family and its autotuner, and the SMs a persistent kernel spreads over."""
+    the kernel family and its autotuner, the SMs a persistent kernel spreads over, the target, and
+    the tile `variants.split_k` counts output tiles in (the first config of split-K's partial sums)."""
 
     variant: GemmVariant
     constexprs: dict
     family: str
     kernel: object
     sms: int
+    target: str
+    split_tile: TileConfig
 
 
 @functools.lru_cache(maxsize=1024)
@@ -175,7 +183,8 @@ def gemm_plan(
         )
     if empty_k:
         family = "pointer"  # nothing to load: a descriptor cannot describe an empty K
-    return GemmPlan(variant, constexprs, family, autotuner(target, family, variant), _multiprocessors(device))
+    split_tile = configs_for(target, variant, family, partial=True)[0]
+    return GemmPlan(variant, constexprs, family, autotuner(target, family, variant), _multiprocessors(device), target, split_tile)
 
 
 def fp8_gemm(
@@ -195,12 +204,16 @@ def fp8_gemm(
     aux_dtype: torch.dtype = torch.bfloat16,
     fast_accum: bool = False,
     family: str | None = None,
+    splits: int | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """`epilogue((a * scale_inv_a) @ (b * scale_inv_b))` with one generated kernel.
+    """`epilogue((a * scale_inv_a) @ (b * scale_inv_b))` with one generated kernel (two with split-K).
 
     a: [M, K] FP8, b: [K, N] FP8, any strides (operands that are not K-contiguous with aligned rows
     are copied first). `family` forces the kernel family ("pointer", "tma", or "mx" for MX blocks);
-    by default `variants.gemm_family`'s. Returns (out, aux or None, amax or None)."""
+    by default `variants.gemm_family`'s. `splits` forces the number of K ranges (split-K: partial
+    sums in an fp32 workspace, then `split_k_reduce_kernel` adds them in a fixed order and runs
+    the scales and the epilogue); by default `variants.split_k`'s rule, 1 for most GEMMs.
+    Returns (out, aux or None, amax or None)."""
     device = _check_device(
         {
             "a": a,
@@ -237,9 +250,15 @@ def fp8_gemm(
     out = torch.empty((m, n), dtype=out_dtype, device=device)
     aux = torch.empty((m, n), dtype=aux_dtype, device=device) if epilogue.aux != "none" else None
     amax = torch.zeros((), dtype=torch.float32, device=device) if epilogue.out_amax else None
+    if splits is None:
+        splits = split_k(plan.target, m, n, k, plan.split_tile, plan.sms)
+    elif not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"fp8fx FP8 GEMM: splits must be a positive int, got {splits!r}")
     if m == 0 or n == 0:
         return out, aux, amax
     placeholder = scale_inv_a  # pointer for absent tensors: never read (its constexpr branch is off)
+    if k == 0:
+        splits = 1
 
     def strides(t):
         return (t.stride(0), t.stride(1)) if t is not None else (0, 0)
@@ -251,9 +270,7 @@ def fp8_gemm(
         from fp8fx.codegen.tma_kernel import operand_descriptors
 
         operands = operand_descriptors(a, bt)
-    args = (
-        *operands,
-        out,
+    pointers = (
         scale_inv_a,
         scale_inv_b,
         bias if bias is not None else placeholder,
@@ -262,21 +279,44 @@ def fp8_gemm(
         aux if aux is not None else placeholder,
         out_scale if out_scale is not None else placeholder,
         amax if amax is not None else placeholder,
+    )
+    scale_strides = (*_scale_strides(scale_inv_a, block_a), *_scale_strides(scale_inv_b, block_b))
+    epilogue_strides = (*strides(other), *strides(residual), *strides(aux))
+
+    def gemm_args(c: Tensor) -> tuple:  # the GEMM kernels' arguments, writing to `c` (out, or the workspace)
+        sizes = (m, n, k, m_bucket(m), splits, *_operand_strides(a, bt, family))
+        return (*operands, c, *pointers, *sizes, c.stride(-2), c.stride(-1), *scale_strides, *epilogue_strides)
+
+    sms = plan.sms
+    if splits == 1:
+        plan.kernel[lambda meta: gemm_grid(m, n, _config_of(meta), family, sms)](*gemm_args(out), **plan.constexprs)
+        return out, aux, amax
+    # Split-K: the GEMM kernel writes each split's fp32 partial sums to the workspace in out's place,
+    # then the reduction adds them in split order and runs the scales and the epilogue into `out`.
+    workspace = torch.empty((splits, m, n), dtype=torch.float32, device=device)
+    grid = lambda meta: gemm_grid(m, n, _config_of(meta), family, sms, splits)
+    autotuner(plan.target, family, plan.variant, partial=True)[grid](*gemm_args(workspace), **plan.constexprs, PARTIAL=True)
+    tile = SPLIT_K_REDUCE[plan.target]
+    reduce_grid = gemm_grid(m, n, tile, "pointer", sms)
+    split_k_reduce_kernel[reduce_grid](
+        workspace,
+        out,
+        *pointers,
         m,
         n,
-        k,
-        m_bucket(m),
-        *_operand_strides(a, bt, family),
+        splits,
+        workspace.stride(0),
+        workspace.stride(1),
         out.stride(0),
         out.stride(1),
-        *_scale_strides(scale_inv_a, block_a),
-        *_scale_strides(scale_inv_b, block_b),
-        *strides(other),
-        *strides(residual),
-        *strides(aux),
+        scale_strides[0],
+        scale_strides[3],
+        *epilogue_strides,
+        **plan.constexprs,
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        num_warps=tile.num_warps,
     )
-    sms = plan.sms
-    plan.kernel[lambda meta: gemm_grid(m, n, _config_of(meta), family, sms)](*args, **plan.constexprs)
     return out, aux, amax
 
 

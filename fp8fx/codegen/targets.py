@@ -23,8 +23,17 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fp8fx.codegen.triton_kernels import fp8_gemm_kernel, quantize_kernel
-from fp8fx.codegen.variants import CONFIGS, FAMILIES, GemmVariant, GroupedVariant, QuantizeVariant, TileConfig, configs_for
+from fp8fx.codegen.triton_kernels import fp8_gemm_kernel, quantize_kernel, split_k_reduce_kernel
+from fp8fx.codegen.variants import (
+    CONFIGS,
+    FAMILIES,
+    SPLIT_K_REDUCE,
+    GemmVariant,
+    GroupedVariant,
+    QuantizeVariant,
+    TileConfig,
+    configs_for,
+)
 from fp8fx.core.epilogue import Epilogue
 
 CAPABILITY = {"sm_89": 89, "sm_90a": 90, "sm_100a": 100}
@@ -113,10 +122,11 @@ def _signature(fn, pointers: dict, constexprs: dict) -> dict:
     return {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
 
 
-def _gemm_kernel(variant: GemmVariant, arch: str, config: TileConfig, family: str):
-    """The compiled GEMM kernel of one family (Triton's CompiledKernel: .asm holds ttir, ttgir, ptx)."""
+def _gemm_kernel(variant: GemmVariant, arch: str, config: TileConfig, family: str, partial: bool = False):
+    """The compiled GEMM kernel of one family (Triton's CompiledKernel: .asm holds ttir, ttgir, ptx);
+    `partial`: its split-K form, writing fp32 partial sums to the workspace in out's place."""
     # The launcher's layout: K-contiguous operands, row-major outputs.
-    pointers = {"out_ptr": _PTR[variant.out_dtype], "aux_ptr": _PTR[variant.aux_dtype]}
+    pointers = {"out_ptr": "*fp32" if partial else _PTR[variant.out_dtype], "aux_ptr": _PTR[variant.aux_dtype]}
     for name in ("scale_a_ptr", "scale_b_ptr", "out_scale_ptr", "amax_ptr", "other_ptr"):
         pointers[name] = "*fp32"
     pointers["bias_ptr"] = pointers["residual_ptr"] = "*bf16"
@@ -141,7 +151,7 @@ def _gemm_kernel(variant: GemmVariant, arch: str, config: TileConfig, family: st
     # argument equal to 1 into a constant: out and aux are allocated row-major, and block-scale
     # tensors are contiguous ([M / rows, K / k] and [K / k, N / cols]: unit stride along K for A's,
     # along N for B's). Per-K-block column scales need the latter to stay out of spills.
-    constexprs.update(variant.constexprs(), **config.constexprs(), stride_on=1, stride_aux_n=1)
+    constexprs.update(variant.constexprs(), **config.constexprs(), stride_on=1, stride_aux_n=1, PARTIAL=partial)
     if variant.block_a:
         constexprs["stride_sa_k"] = 1
     if variant.block_b:
@@ -150,9 +160,28 @@ def _gemm_kernel(variant: GemmVariant, arch: str, config: TileConfig, family: st
     return _compile(fn, signature, constexprs, arch, config.num_warps, config.num_stages, aligned)
 
 
-def build_gemm(variant: GemmVariant, arch: str, config: TileConfig, family: str = "pointer") -> BuildResult:
-    kernel = _gemm_kernel(variant, arch, config, family)
-    return _result(variant.name, arch, config, kernel, BLOCK_SCALED_MMA if family == "mx" else FP8_MMA[arch], family)
+def build_gemm(
+    variant: GemmVariant, arch: str, config: TileConfig, family: str = "pointer", partial: bool = False
+) -> BuildResult:
+    """One GEMM kernel built; `partial`: the split-K form (named `<variant>.split_k`)."""
+    kernel = _gemm_kernel(variant, arch, config, family, partial)
+    name = f"{variant.name}.split_k" if partial else variant.name
+    return _result(name, arch, config, kernel, BLOCK_SCALED_MMA if family == "mx" else FP8_MMA[arch], family)
+
+
+def build_split_k_reduce(variant: GemmVariant, arch: str) -> BuildResult:
+    """Split-K's reduction kernel (`triton_kernels.split_k_reduce_kernel`) of one variant, in the
+    launcher's layout: a contiguous fp32 workspace, row-major outputs, contiguous scales."""
+    fn, config = split_k_reduce_kernel, SPLIT_K_REDUCE[arch]
+    pointers = {"ws_ptr": "*fp32", "out_ptr": _PTR[variant.out_dtype], "aux_ptr": _PTR[variant.aux_dtype]}
+    for name in ("scale_a_ptr", "scale_b_ptr", "out_scale_ptr", "amax_ptr", "other_ptr"):
+        pointers[name] = "*fp32"
+    pointers["bias_ptr"] = pointers["residual_ptr"] = "*bf16"
+    constexprs = {**variant.constexprs(), "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "stride_on": 1, "stride_aux_n": 1}
+    signature = _signature(fn, pointers, constexprs)
+    aligned = ("N", "stride_ws", "stride_wm", "stride_om", "stride_xm", "stride_rm", "stride_aux_m")
+    kernel = _compile(fn, signature, constexprs, arch, config.num_warps, config.num_stages, aligned)
+    return _result(f"{variant.name}.split_k_reduce", arch, config, kernel, None, "split_k_reduce")
 
 
 def gemm_ir(variant: GemmVariant, arch: str, config: TileConfig, family: str = "pointer") -> dict[str, str]:

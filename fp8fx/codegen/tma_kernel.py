@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fp8fx.codegen.triton_kernels import apply_scales, dot_accumulate, epilogue_store, tile_position
+from fp8fx.codegen.triton_kernels import apply_scales, dot_accumulate, epilogue_store, split_range, store_partial, tile_position
 
 
 @triton.jit
@@ -159,6 +159,7 @@ def fp8_gemm_tma_kernel(
     N,
     K,
     M_BUCKET,
+    SPLIT_K,
     stride_om,
     stride_on,
     stride_sa_row,
@@ -194,25 +195,42 @@ def fp8_gemm_tma_kernel(
     EPILOGUE_SUBTILE: tl.constexpr = 1,
     WARP_SPECIALIZE: tl.constexpr = False,
     FLATTEN: tl.constexpr = False,
+    PARTIAL: tl.constexpr = False,
 ):
     """Persistent: program p computes tiles p, p + programs, p + 2 * programs, ... M_BUCKET is the
-    autotuner's key, not used here. EPILOGUE_SUBTILE is 1, 2 or 4 column slices."""
+    autotuner's key, not used here. EPILOGUE_SUBTILE is 1, 2 or 4 column slices.
+    PARTIAL (split-K): the work units are (split, tile) pairs, split-major (units running together
+    read the same K range), each storing its fp32 partial sum to `out_ptr`, the workspace
+    [SPLIT_K, M, N] (row stride stride_om), as `triton_kernels.fp8_gemm_kernel` does."""
     tl.static_assert(EPILOGUE_SUBTILE == 1 or EPILOGUE_SUBTILE == 2 or EPILOGUE_SUBTILE == 4)
     PER_K_SCALES: tl.constexpr = A_K_BLOCK != 0 or B_K_BLOCK != 0
     SLICE_N: tl.constexpr = BLOCK_N // EPILOGUE_SUBTILE
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
+    if PARTIAL:
+        num_units = num_tiles * SPLIT_K
+    else:
+        num_units = num_tiles
     # The epilogue recomputes its tile from its own counter (as Triton's persistent matmul
     # tutorial does): no value then lives from the loads' prologue into the epilogue, which lets
     # the pipeliner and warp specialisation overlap one tile's epilogue with the next tile's loads.
     tile_c = tl.program_id(0) - tl.num_programs(0)
-    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+    for unit in tl.range(tl.program_id(0), num_units, tl.num_programs(0), flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+        if PARTIAL:
+            tile = unit % num_tiles
+            k_start, k_end = split_range(unit // num_tiles, K, SPLIT_K, BLOCK_K)
+            k_first = k_start // BLOCK_K
+            k_last = tl.cdiv(k_end, BLOCK_K)
+        else:
+            tile = unit
+            k_first = 0
+            k_last = k_tiles
         pid_m, pid_n = tile_position(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         # TMA coordinates are 32-bit (rows and columns, not byte offsets); scale offsets are 64-bit.
         row0 = pid_m * BLOCK_M
         col0 = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_tiles):
+        for ki in range(k_first, k_last):
             k0 = ki * BLOCK_K
             a = a_desc.load([row0, k0])
             b = b_desc.load([col0, k0]).T
@@ -229,7 +247,12 @@ def fp8_gemm_tma_kernel(
                 acc = dot_accumulate(a, b, acc, FAST_ACCUM, BLOCK_K)
 
         tile_c += tl.num_programs(0)
-        pid_m_c, pid_n_c = tile_position(tile_c, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        if PARTIAL:
+            split_c = tile_c // num_tiles
+            pid_m_c, pid_n_c = tile_position(tile_c % num_tiles, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        else:
+            split_c = 0
+            pid_m_c, pid_n_c = tile_position(tile_c, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_m_c = pid_m_c.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m_c = offs_m_c < M
         offs_n_c = pid_n_c.to(tl.int64) * BLOCK_N + tl.arange(0, SLICE_N)
@@ -243,47 +266,51 @@ def fp8_gemm_tma_kernel(
             s2, s3 = _halves(right, BLOCK_M, BLOCK_N // 2)
             slices = (s0, s1, s2, s3)
         for s in tl.static_range(EPILOGUE_SUBTILE):
-            _finish_slice(
-                slices[s],
-                offs_m_c,
-                offs_n_c + s * SLICE_N,
-                mask_m_c,
-                M,
-                N,
-                out_ptr,
-                scale_a_ptr,
-                scale_b_ptr,
-                bias_ptr,
-                other_ptr,
-                residual_ptr,
-                aux_ptr,
-                out_scale_ptr,
-                amax_ptr,
-                stride_om,
-                stride_on,
-                stride_sa_row,
-                stride_sb_col,
-                stride_xm,
-                stride_xn,
-                stride_rm,
-                stride_rn,
-                stride_aux_m,
-                stride_aux_n,
-                A_ROW_BLOCK,
-                B_COL_BLOCK,
-                PER_K_SCALES,
-                HAS_BIAS,
-                AUX_STAGE,
-                ACTIVATION,
-                MUL_MODE,
-                MUL_ACTIVATION,
-                HAS_RESIDUAL,
-                OUT_AMAX,
-                OUT_FP8,
-                FP8_MAX,
-                MANTISSA_BITS,
-                MIN_EXPONENT,
-            )
+            if PARTIAL:
+                offs_n_s = offs_n_c + s * SLICE_N
+                store_partial(slices[s], out_ptr, split_c, offs_m_c, offs_n_s, mask_m_c, offs_n_s < N, M, stride_om, stride_on)
+            else:
+                _finish_slice(
+                    slices[s],
+                    offs_m_c,
+                    offs_n_c + s * SLICE_N,
+                    mask_m_c,
+                    M,
+                    N,
+                    out_ptr,
+                    scale_a_ptr,
+                    scale_b_ptr,
+                    bias_ptr,
+                    other_ptr,
+                    residual_ptr,
+                    aux_ptr,
+                    out_scale_ptr,
+                    amax_ptr,
+                    stride_om,
+                    stride_on,
+                    stride_sa_row,
+                    stride_sb_col,
+                    stride_xm,
+                    stride_xn,
+                    stride_rm,
+                    stride_rn,
+                    stride_aux_m,
+                    stride_aux_n,
+                    A_ROW_BLOCK,
+                    B_COL_BLOCK,
+                    PER_K_SCALES,
+                    HAS_BIAS,
+                    AUX_STAGE,
+                    ACTIVATION,
+                    MUL_MODE,
+                    MUL_ACTIVATION,
+                    HAS_RESIDUAL,
+                    OUT_AMAX,
+                    OUT_FP8,
+                    FP8_MAX,
+                    MANTISSA_BITS,
+                    MIN_EXPONENT,
+                )
 
 
 def set_block_shapes(nargs: dict) -> None:

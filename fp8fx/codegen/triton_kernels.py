@@ -276,6 +276,23 @@ def mx_dot(a, sa, b, sb, acc):
 
 
 @triton.jit
+def split_range(split, K, SPLIT_K, BLOCK_K: tl.constexpr):
+    """[k_start, k_end) of split `split` of SPLIT_K: whole BLOCK_K windows, as even as they go (the
+    last splits may be shorter, or empty: an empty one stores zeros). Boundaries on BLOCK_K windows
+    keep every window inside one scale K-block (BLOCK_K divides it: `variants.configs_for`)."""
+    windows = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    k_start = split * windows * BLOCK_K
+    return k_start, tl.minimum(k_start + windows * BLOCK_K, K)
+
+
+@triton.jit
+def store_partial(acc, ws_ptr, split, offs_m, offs_n, mask_m, mask_n, M, stride_wm, stride_wn):
+    """Split `split`'s fp32 partial tile into the workspace [SPLIT_K, M, N] (row stride stride_wm)."""
+    base = ws_ptr + split.to(tl.int64) * M * stride_wm
+    tl.store(base + offs_m[:, None] * stride_wm + offs_n[None, :] * stride_wn, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
 def fp8_gemm_kernel(
     a_ptr,
     b_ptr,
@@ -292,6 +309,7 @@ def fp8_gemm_kernel(
     N,
     K,
     M_BUCKET,
+    SPLIT_K,
     stride_am,
     stride_ak,
     stride_bk,
@@ -329,27 +347,36 @@ def fp8_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     BLOCK_SCALED_MMA: tl.constexpr = False,
+    PARTIAL: tl.constexpr = False,
 ):
     """One output tile per program, operands loaded through pointers (Ada, and the fallback).
     M_BUCKET is M rounded up to a power of two: the autotuner's key, not used here.
     BLOCK_SCALED_MMA (MX blocks only: 1 x 32 along K for A, 32 x 1 for B) hands the E8M0 scales
-    to the tensor cores' block-scaled MMA (`tl.dot_scaled`) instead of promoting every 32 K."""
+    to the tensor cores' block-scaled MMA (`tl.dot_scaled`) instead of promoting every 32 K.
+    PARTIAL (split-K): program (tile, split) sums split `program_id(1)` of SPLIT_K ranges of whole
+    BLOCK_K windows and stores it in fp32 to `out_ptr`, the workspace [SPLIT_K, M, N] (row stride
+    stride_om), scaled only where scales vary along K; `split_k_reduce_kernel` does the rest."""
     pid_m, pid_n = tile_position(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    if PARTIAL:
+        k_start, k_end = split_range(tl.program_id(1), K, SPLIT_K, BLOCK_K)
+    else:
+        k_start = 0
+        k_end = K
     # Rows / columns past the edge load a valid row instead (their results are never stored): the
     # loads then need no M / N mask, which keeps them pipelined.
-    a_ptrs = a_ptr + (offs_m % M)[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + (offs_n % N)[None, :] * stride_bn
+    a_ptrs = a_ptr + (offs_m % M)[:, None] * stride_am + (k_start + offs_k)[None, :] * stride_ak
+    b_ptrs = b_ptr + (k_start + offs_k)[:, None] * stride_bk + (offs_n % N)[None, :] * stride_bn
 
     # Scales along K (blockwise recipes) promote each K-block's partial product to the fp32
     # accumulator with its own scales; otherwise the scales are applied once after the loop.
     PER_K_SCALES: tl.constexpr = A_K_BLOCK != 0 or B_K_BLOCK != 0
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
         b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
         if BLOCK_SCALED_MMA:
@@ -382,7 +409,121 @@ def fp8_gemm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    if not PER_K_SCALES and not BLOCK_SCALED_MMA:
+    if PARTIAL:
+        store_partial(acc, out_ptr, tl.program_id(1), offs_m, offs_n, mask_m, mask_n, M, stride_om, stride_on)
+    else:
+        if not PER_K_SCALES and not BLOCK_SCALED_MMA:
+            acc = apply_scales(
+                acc,
+                offs_m,
+                offs_n,
+                mask_m,
+                mask_n,
+                scale_a_ptr,
+                scale_b_ptr,
+                stride_sa_row,
+                stride_sb_col,
+                A_ROW_BLOCK,
+                B_COL_BLOCK,
+            )
+        epilogue_store(
+            acc,
+            offs_m,
+            offs_n,
+            mask_m,
+            mask_n,
+            out_ptr,
+            bias_ptr,
+            other_ptr,
+            residual_ptr,
+            aux_ptr,
+            out_scale_ptr,
+            amax_ptr,
+            stride_om,
+            stride_on,
+            stride_xm,
+            stride_xn,
+            stride_rm,
+            stride_rn,
+            stride_aux_m,
+            stride_aux_n,
+            HAS_BIAS,
+            AUX_STAGE,
+            ACTIVATION,
+            MUL_MODE,
+            MUL_ACTIVATION,
+            HAS_RESIDUAL,
+            OUT_AMAX,
+            OUT_FP8,
+            FP8_MAX,
+            MANTISSA_BITS,
+            MIN_EXPONENT,
+        )
+
+
+@triton.jit
+def split_k_reduce_kernel(
+    ws_ptr,
+    out_ptr,
+    scale_a_ptr,
+    scale_b_ptr,
+    bias_ptr,
+    other_ptr,
+    residual_ptr,
+    aux_ptr,
+    out_scale_ptr,
+    amax_ptr,
+    M,
+    N,
+    SPLIT_K,
+    stride_ws,
+    stride_wm,
+    stride_om,
+    stride_on,
+    stride_sa_row,
+    stride_sb_col,
+    stride_xm,
+    stride_xn,
+    stride_rm,
+    stride_rn,
+    stride_aux_m,
+    stride_aux_n,
+    A_ROW_BLOCK: tl.constexpr,
+    A_K_BLOCK: tl.constexpr,
+    B_K_BLOCK: tl.constexpr,
+    B_COL_BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    AUX_STAGE: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    MUL_MODE: tl.constexpr,
+    MUL_ACTIVATION: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    OUT_AMAX: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr,
+    FAST_ACCUM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Split-K's second kernel: one program per BLOCK_M x BLOCK_N output tile adds the SPLIT_K fp32
+    partial sums of the workspace [SPLIT_K, M, N] (strides stride_ws, stride_wm, 1) in split order,
+    the same order every run, then dequantizes (unless each split did: scales along K) and runs the
+    variant's epilogue once, as the GEMM kernels do after their K loop. FAST_ACCUM is the GEMM's."""
+    pid = tl.program_id(0)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    offs_m = (pid // grid_n).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (pid % grid_n).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    mask = mask_m[:, None] & mask_n[None, :]
+    ws_ptrs = ws_ptr + offs_m[:, None] * stride_wm + offs_n[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(SPLIT_K):
+        acc += tl.load(ws_ptrs, mask=mask, other=0.0)
+        ws_ptrs += stride_ws
+    if A_K_BLOCK == 0 and B_K_BLOCK == 0:
         acc = apply_scales(
             acc, offs_m, offs_n, mask_m, mask_n, scale_a_ptr, scale_b_ptr, stride_sa_row, stride_sb_col, A_ROW_BLOCK, B_COL_BLOCK
         )

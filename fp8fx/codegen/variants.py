@@ -244,6 +244,39 @@ CONFIGS: dict[tuple[str, str], tuple[TileConfig, ...]] = {
 }
 
 
+# Split-K (`split_k`): a GEMM whose output tiles leave SMs idle (the weight gradients of narrow
+# projections: small M x N, the token count as K) splits K into SPLITS ranges of whole BLOCK_K
+# windows, one program per (tile, split), each writing its fp32 partial sum to a workspace
+# [splits, M, N]; `triton_kernels.split_k_reduce_kernel` adds the partials in split order (the
+# same order every run: bit-reproducible, unlike atomics) and then runs the scales and the epilogue
+# once. The rule: the largest split count that keeps tiles x splits within one wave (at most one
+# program per SM: a second, partial wave would cost a whole wave of K / splits), with each split at
+# least SPLIT_K_MIN_K long (a pipelined K loop shorter than that is mostly prologue). The workspace
+# is then at most SMs x BLOCK_M x BLOCK_N fp32 values (8.6 MB on an H200 with 128 x 128 tiles).
+# These numbers are a first guess, not measured on a GPU yet. The interpreter's minimum keeps the
+# CPU tests' small GEMMs unsplit (their K stays under 512), so split-K runs where a test asks for it.
+SPLIT_K_MIN_K = {"sm_89": 1024, "sm_90a": 1024, "sm_100a": 1024, "interpreter": 256}
+# The reduction kernel's tile per target: 32 accumulator values per thread (the epilogue's bound,
+# `configs_for`), so the heaviest epilogue stays out of spills. BLOCK_K is unused (0).
+SPLIT_K_REDUCE = {
+    "sm_89": TileConfig(64, 64, 0, 1, 4, 1),
+    "sm_90a": TileConfig(64, 64, 0, 1, 4, 1),
+    "sm_100a": TileConfig(64, 64, 0, 1, 4, 1),
+    "interpreter": TileConfig(32, 32, 0, 1, 1, 1),
+}
+
+
+def split_k(target: str, m: int, n: int, k: int, tile: TileConfig, sms: int) -> int:
+    """How many K ranges a GEMM of m x n x k runs in on `target` with `sms` SMs, its output in
+    tiles of `tile` (the target's first config for the variant): 1 (no split) unless its tiles
+    fill less than half the SMs; else the largest count with tiles x splits <= sms and
+    k / splits >= SPLIT_K_MIN_K[target]. See the comment above SPLIT_K_MIN_K."""
+    tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
+    if tiles == 0 or k <= 0:
+        return 1
+    return max(1, min(sms // tiles, k // SPLIT_K_MIN_K[target]))
+
+
 def _without_warp_specialization(configs: tuple[TileConfig, ...]) -> tuple[TileConfig, ...]:
     """`configs` with WARP_SPECIALIZE dropped from each (duplicates removed, order kept)."""
     plain = [replace(c, extra=tuple(kv for kv in c.extra if kv[0] != "WARP_SPECIALIZE")) for c in configs]
@@ -371,11 +404,21 @@ def gemm_family(target: str, variant: GemmVariant) -> str:
     return DEFAULT_FAMILY[target]
 
 
-def configs_for(target: str, variant: GemmVariant, family: str | None = None) -> tuple[TileConfig, ...]:
-    """Configs of `target` usable for `variant`: with K-block scales, BLOCK_K must divide the K-block."""
-    configs = CONFIGS[target, family or DEFAULT_FAMILY[target]]
+# Split-K's partial-sum kernels that spill (bytes, Triton 3.9): excluded from `configs_for(partial=True)`.
+# The sm_100a pointer kernel (the fallback there: Blackwell runs tma, mx) with 128 x 64 tiles: 16.
+_PARTIAL_SPILLS = {("sm_100a", "pointer", 128, 64)}
+
+
+def configs_for(target: str, variant: GemmVariant, family: str | None = None, partial: bool = False) -> tuple[TileConfig, ...]:
+    """Configs of `target` usable for `variant`: with K-block scales, BLOCK_K must divide the K-block.
+    `partial`: for split-K's partial sums, which run no epilogue (the reduction kernel does), so
+    the epilogue's limit on tile sizes does not apply."""
+    family = family or DEFAULT_FAMILY[target]
+    configs = CONFIGS[target, family]
     e = variant.epilogue
-    if target != "interpreter" and (e.mul != "none" or e.residual or (e.activation != "none" and e.aux != "none")):
+    if partial:
+        configs = tuple(c for c in configs if (target, family, c.block_m, c.block_n) not in _PARTIAL_SPILLS)
+    elif target != "interpreter" and (e.mul != "none" or e.residual or (e.activation != "none" and e.aux != "none")):
         # Epilogues that load full tiles of other tensors, or keep a value beside its activation,
         # hold a second tile in registers beside the accumulator: at most 32 accumulator values per
         # thread keeps them from spilling (bias + GELU + pre-activation aux spilled 8-20 bytes at

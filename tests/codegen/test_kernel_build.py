@@ -8,8 +8,8 @@ import re
 import torch
 
 from fp8fx.codegen import versions
-from fp8fx.codegen.targets import build_all, coverage_variants, families_of, gemm_ir
-from fp8fx.codegen.variants import CONFIGS, GemmVariant, TileConfig, configs_for
+from fp8fx.codegen.targets import build_all, build_gemm, build_split_k_reduce, coverage_variants, families_of, gemm_ir
+from fp8fx.codegen.variants import CONFIGS, GemmVariant, TileConfig, configs_for, gemm_family
 from fp8fx.core.epilogue import Epilogue
 
 E4M3 = torch.float8_e4m3fn
@@ -44,6 +44,30 @@ def test_every_coverage_variant_builds_with_tma_on_hopper_and_blackwell():
     # its first config asks for it (Triton >= 3.7; before, none does)
     assert all(r.warp_specialized == versions.has("sm100_warp_specialize") for r in results if r.arch == "sm_100a")
     assert all("kind::f8f6f4" in r.fp8_mma for r in results if r.arch == "sm_100a")
+
+
+def test_split_k_kernels_build_for_hopper_and_blackwell():
+    """Split-K's two kernels on sm_90a and sm_100a: the partial sums (no epilogue: they depend on
+    the operand formats and on scales along K, not on the epilogue) in each family's first partial
+    config, with the FP8 tensor-core instruction, TMA loads in the tma family and 0 spills; the
+    reduction (the epilogue) of every coverage variant with 0 spills."""
+    mx = GemmVariant(E4M3, E4M3, (1, 32), (32, 1), Epilogue(), torch.bfloat16)
+    partial_sums = [GemmVariant(E4M3, E4M3, (1, 0), (0, 1)), gemm_coverage()[3]]  # rowwise (as tensorwise), blockwise
+    results = []
+    for arch in TMA_ARCHS:
+        for variant in partial_sums:
+            for family in ("tma", "pointer"):
+                results.append(build_gemm(variant, arch, configs_for(arch, variant, family, partial=True)[0], family, partial=True))
+        if gemm_family(arch, mx) == "mx":  # Blackwell's block-scaled MMA
+            results.append(build_gemm(mx, arch, configs_for(arch, mx, "mx", partial=True)[0], "mx", partial=True))
+    assert len(results) == 2 * 2 * 2 + 1
+    for r in results:
+        assert r.ok and r.kernel.endswith(".split_k"), r
+        assert r.fp8_mma and r.fp8_mma.startswith({"sm_90a": "wgmma.mma_async", "sm_100a": "tcgen05.mma"}[r.arch]), r
+        assert r.tma == (r.family == "tma"), r
+    assert any("block_scale" in r.fp8_mma for r in results)
+    reductions = [build_split_k_reduce(v, arch) for arch in TMA_ARCHS for v in gemm_coverage()]
+    assert all(r.ok and r.fp8_mma is None for r in reductions), "\n".join(map(str, reductions))
 
 
 def _adds(ptx: str) -> int:

@@ -23,7 +23,7 @@ ROOT = Path(__file__).parents[2]
 # spreads them over its workers: a process costs seconds to start. test_op_layouts.py's Inductor steps
 # take most of its group's time. Every file of the folder is in a group.
 INTERPRETER_GROUPS: dict[str, list[str]] = {
-    "gemm": ["test_kernels.py", "test_activations.py", "test_tma.py", "test_shapes.py"],
+    "gemm": ["test_kernels.py", "test_activations.py", "test_tma.py", "test_shapes.py", "test_split_k.py"],
     "families": ["test_mx.py", "test_nvfp4.py", "test_grouped.py", "test_grouped_op.py"],
     "layouts": ["test_op_layouts.py"],
 }

@@ -12,7 +12,16 @@ import torch
 
 from fp8fx.codegen import launch
 from fp8fx.codegen.targets import coverage_variants
-from fp8fx.codegen.variants import CONFIGS, GRID_LIMITS, TARGETS, GemmVariant, QuantizeVariant, configs_for
+from fp8fx.codegen.variants import (
+    CONFIGS,
+    GRID_LIMITS,
+    SPLIT_K_MIN_K,
+    TARGETS,
+    GemmVariant,
+    QuantizeVariant,
+    configs_for,
+    split_k,
+)
 
 GEMMS = [v for v in coverage_variants() if isinstance(v, GemmVariant)]
 GEMMS += [v.__class__(**{**v.__dict__, "fast_accum": True}) for v in GEMMS[:2]]
@@ -28,7 +37,7 @@ def test_every_launch_autotuner_builds_for_every_target():
     for (target, family), variant in itertools.product(LAUNCHES, GEMMS):
         tuner = launch.autotuner(target, family, variant)
         assert tuner is launch.autotuner(target, family, variant)  # built once, cached
-        assert tuner.keys == ["M_BUCKET", "N", "K"]
+        assert tuner.keys == ["M_BUCKET", "N", "K", "SPLIT_K"]
         constexprs = {p.name for p in tuner.fn.params if p.is_constexpr}
         required = {p.name for p in tuner.fn.params if p.is_constexpr and p.default is inspect.Parameter.empty}
         assert [c.kwargs for c in tuner.configs] == [c.constexprs() for c in configs_for(target, variant, family)]
@@ -77,3 +86,38 @@ def test_operands_are_copied_only_when_tensor_cores_cannot_read_them():
         copy = launch.rows_aligned(view)
         assert copy.stride(1) == 1 and copy.stride(0) % 16 == 0 and copy.data_ptr() % 16 == 0
         assert torch.equal(copy.view(torch.uint8), view.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "m,n,k,splits",
+    [
+        (4096, 4096, 2048, 1),  # 1024 output tiles: more than the SMs
+        (1024, 4096, 8192, 1),  # Llama-3-8B's K / V projections' weight gradients: 256 tiles, 2 full waves
+        (1024, 1024, 8192, 2),  # 64 tiles: two K ranges fill 128 of 132 SMs
+        (512, 512, 16384, 8),  # 16 tiles: 8 splits fill 128 SMs
+        (256, 256, 65536, 33),  # 4 tiles: 33 splits fill the 132 SMs, each 1986 long
+        (512, 512, 1536, 1),  # a split would be shorter than SPLIT_K_MIN_K
+        (128, 128, 0, 1),
+    ],
+)
+def test_split_k_rule_fills_one_wave(m, n, k, splits):
+    """Hopper (132 SMs, 128 x 128 tiles): split K only where the output tiles fill at most half the
+    SMs, into as many ranges as one wave holds, each at least SPLIT_K_MIN_K long; the workspace
+    (tiles x splits fp32 tiles) then stays within one tile per SM."""
+    variant = GEMMS[0]
+    tile = configs_for("sm_90a", variant, "tma", partial=True)[0]
+    assert (tile.block_m, tile.block_n) == (128, 128)
+    got = split_k("sm_90a", m, n, k, tile, 132)
+    assert got == splits
+    tiles = -(-m // 128) * -(-n // 128)
+    assert got == 1 or (tiles * got <= 132 and k // got >= SPLIT_K_MIN_K["sm_90a"])
+
+
+def test_split_k_grids_fit_cuda_limits():
+    """Split counts go on grid y of the one-tile-per-program kernels, into the (split, tile) loop of the persistent one."""
+    config = configs_for("sm_90a", GEMMS[0], "pointer", partial=True)[0]  # 128 x 128: no epilogue in the partial sums
+    assert launch.gemm_grid(256, 256, config, "pointer", 132, splits=8) == (4, 8)
+    assert launch.gemm_grid(256, 256, config, "tma", 132, splits=8) == (32,)
+    assert launch.gemm_grid(256, 256, config, "tma", 132, splits=64) == (132,)
+    with pytest.raises(ValueError, match="grid limits"):
+        launch.gemm_grid(256, 256, config, "pointer", 132, splits=GRID_LIMITS[1] + 1)
