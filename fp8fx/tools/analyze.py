@@ -500,6 +500,7 @@ def _traced(model, example_inputs, policy, train, loss_fn, fold_repeated, progre
         folded={name: len(blocks) for name, _, _, blocks in folded},
         non_gemm_bytes=unfolded(report.non_gemm_bytes),
         saved_bytes=unfolded(report.saved_bytes) if report.saved_bytes is not None else None,
+        saved_tensors=report.saved_tensors,  # (of the blocks traced)
     )
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     found = [*report.uncaptured]
