@@ -40,10 +40,9 @@ from fp8fx.passes import PassContext, run_passes
 from fp8fx.passes.annotation import annotations
 from fp8fx.passes.graph_utils import DelayedInputs, Taps
 from fp8fx.passes.options import INNER_COMPILERS, BackendOptions  # noqa: F401  (INNER_COMPILERS: re-exported)
-from fp8fx.passes.saved_activations import keep_saved_in_fp8
+from fp8fx.passes.saved_activations import SavedTensor, keep_saved_in_fp8
 from fp8fx.reporting.op_record import OpRecord
 from fp8fx.reporting.records import Report
-from fp8fx.reporting.saved import SavedTensor
 from fp8fx.reporting.traffic import non_gemm_bytes, saved_activation_bytes
 from fp8fx.reporting.uncaptured import find_uncaptured
 from fp8fx.runtime.monitor import Monitor

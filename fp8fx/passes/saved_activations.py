@@ -29,6 +29,7 @@ and kind (`fp8fx.core.policy.SavedActivations`).
 from __future__ import annotations
 
 import operator
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import fx
@@ -37,12 +38,37 @@ from fp8fx.core.formats import FP8_DTYPES
 from fp8fx.core.policy import SAVED_BLOCKS, Precision, SavedActivations
 from fp8fx.passes.find_matmuls import module_fqn
 from fp8fx.passes.graph_utils import add_node, fake_mode_of
-from fp8fx.reporting.saved import SavedTensor
 
 fp8fx_ops = torch.ops.fp8fx
 _WIDE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MIN_NUMEL = 256  # smaller tensors stay: their bytes do not matter, and scales would cost more
 _MAX_KEPT_FRACTION = 0.75  # FP8 with its scales must keep at most this share of the bytes
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor forward saves for backward: what it is, and how it is kept."""
+
+    name: str  # the forward graph's node
+    module: str  # module FQN of the op that made it
+    kind: str  # attention | norm | activation | other (fp8fx.core.policy.SAVED_KINDS)
+    shape: tuple[int, ...]
+    dtype: str  # as produced
+    kept_as: str  # "e4m3 rowwise", "e5m2 1x128", ..., or the dtype it stays in
+    bytes_high: int  # bytes of its storage in the precision it was made in
+    bytes_kept: int  # bytes kept for backward (FP8 values and scales, or bytes_high)
+    reason: str  # the policy entry that chose FP8, or why it stays
+
+    @property
+    def fp8(self) -> bool:
+        return self.kept_as.startswith(("e4m3 ", "e5m2 "))
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SavedTensor:
+        return cls(**{**d, "shape": tuple(d["shape"])})
 
 
 def _passes_through(node: fx.Node) -> bool:

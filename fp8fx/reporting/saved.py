@@ -1,37 +1,12 @@
 """What forward keeps for backward besides FP8 GEMM operands, as the report lists it: one
-`SavedTensor` per tensor (fp8fx.passes.saved_activations decides how each is kept), and their
-bytes per layer."""
+`SavedTensor` per tensor (fp8fx.passes.saved_activations decides how each is kept and makes the
+records), and their bytes per layer."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
 
-
-@dataclass(frozen=True)
-class SavedTensor:
-    """One tensor forward saves for backward: what it is, and how it is kept."""
-
-    name: str  # the forward graph's node
-    module: str  # module FQN of the op that made it
-    kind: str  # attention | norm | activation | other (fp8fx.core.policy.SAVED_KINDS)
-    shape: tuple[int, ...]
-    dtype: str  # as produced
-    kept_as: str  # "e4m3 rowwise", "e5m2 1x128", ..., or the dtype it stays in
-    bytes_high: int  # bytes of its storage in the precision it was made in
-    bytes_kept: int  # bytes kept for backward (FP8 values and scales, or bytes_high)
-    reason: str  # the policy entry that chose FP8, or why it stays
-
-    @property
-    def fp8(self) -> bool:
-        return self.kept_as.startswith(("e4m3 ", "e5m2 "))
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "shape": list(self.shape)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> SavedTensor:
-        return cls(**{**d, "shape": tuple(d["shape"])})
+from fp8fx.passes.saved_activations import SavedTensor
 
 
 def layer(module: str) -> str:
