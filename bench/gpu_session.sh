@@ -12,7 +12,7 @@
 #    out for stage 2's time: VARIANTS=...,torchao-rowwise and LLAMA_S=300 bring it back.
 #    VARIANTS and LLAMA_ARGS (e.g. "--model gpt3-6.7b --seq 2048") change it, TAG names its files
 #    (llama_gpu_<TAG>.json ...).
-# 2. options (OPTIONS_S=90): stage 1's step as fp8fx rowwise with issue 50's options, saved
+# 2. options (OPTIONS_S=90): stage 1's step as fp8fx rowwise with the memory options, saved
 #    activations in FP8 and O2's optimizer Fp8AdamW (fp8fx-rowwise-auto-savedfp8-o2), to set beside
 #    stage 1's bf16 and fp8fx-rowwise-auto rows (--beside: targets peak <= 0.75x BF16's, step
 #    <= 1.02x fp8fx rowwise's), and Fp8AdamW's step alone beside torch.optim.AdamW(fused=True)'s on
@@ -28,7 +28,7 @@
 #    here, 45 + 70 s with the processes.
 # Off unless given seconds:
 # - CAP_S: the largest batch whose step peaks under 40 GiB and its tokens/s (llama_gpu.py
-#   --memory-cap 40) for bf16, torchao rowwise and fp8fx rowwise with both options (issue 50's
+#   --memory-cap 40) for bf16, torchao rowwise and fp8fx rowwise with both options (the
 #   targets: batch >= 1.4x BF16's, tokens/s >= 1.1x torchao's): a run of 35-65 s per batch tried,
 #   4 or more per variant, so 11 minutes or more.
 # - SELFTEST_S: fp8fx selftest --quick (kernel checks, GEMM timings, the dispatch table): 183 s on

@@ -31,7 +31,7 @@ GPU time), and the speedup and memory ratio to BF16 from the same run. BF16 and 
 torch.compile before torch 2.14, transformers hands SDPA an explicit causal mask (so no flash
 attention), in every variant alike.
 
-The bound (issue 49): what the step would take with every FP8 GEMM at its bare cuBLAS time and
+The bound: what the step would take with every FP8 GEMM at its bare cuBLAS time and
 casts that cost nothing, and each FP8 variant's fraction of it (bound / measured step; 1.0 would
 leave nothing to gain but faster GEMMs). It is the BF16 step without its GEMMs (its measured step
 less the GEMM time of its profiled step, `gemm_ms`: what FP8 leaves as it is, attention, norms,
@@ -130,7 +130,7 @@ TINY = dict(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab
 CUDAGRAPHS = "-cudagraphs"
 OPTIONS = ("keep", "savedfp8", "o2", "cudagraphs")  # a variant name's option suffixes (the module's docstring)
 FP8FX_OPTIONS = {"keep", "savedfp8"}  # backend options: fp8fx variants only
-MEMORY_OPTIONS = {"savedfp8", "o2"}  # what issue 50 sets against the same variant without them
+MEMORY_OPTIONS = {"savedfp8", "o2"}  # the memory options, set against the same variant without them
 
 
 # --- variants and what this machine can run -----------------------------------------------------
@@ -405,7 +405,7 @@ def run_variant(name: str, args) -> dict:
 def optimizer_times(compiled, model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, lr: float, sync) -> dict:
     """Milliseconds of `opt`'s step alone (`optimizer_ms`) and of torch.optim.AdamW(fused=True)'s
     (`fused_adamw_ms`) on the same parameters, with the gradients of one more forward and backward,
-    timed as bench/optim_step.py times them. Issue 50's target: Fp8AdamW no slower. (The weights
+    timed as bench/optim_step.py times them. The target: Fp8AdamW no slower. (The weights
     take these steps too: after every measurement of the variant's training.)"""
     torch.compiler.cudagraph_mark_step_begin()
     compiled(input_ids=tokens, labels=tokens).loss.backward()
