@@ -49,3 +49,13 @@ def test_table_pairs_against_torchao():
     # fp8fx: +1.0% and -0.5% from fp32; against torchao's +0.5% and 0%: +0.5 and -0.5, mean 0, SE 0.5
     assert fields[1:7] == ["2", "+0.250", "1.061", "0.750", "+0.000", "0.500"]
     assert "0: 2.0200 (+1.00)" in line
+
+
+def test_torchao_runs_convert_the_linears_their_names_say():
+    float8 = pytest.importorskip("torchao.float8.float8_linear")
+    bench = _bench()
+    for name, head_fp8 in (("torchao", True), ("torchao-no-lm-head", False)):
+        model = _tiny(bench)
+        bench.prepare(name, model)
+        assert isinstance(model.lm_head, float8.Float8Linear) is head_fp8, name
+        assert all(isinstance(b.qkv, float8.Float8Linear) and b.qkv.config.emulate for b in model.blocks), name
