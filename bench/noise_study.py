@@ -29,8 +29,9 @@ Runs:
     python bench/noise_study.py --report bench/results/noise_a.csv bench/results/noise_b.csv
 
 Prints per run: each seed's final validation loss and its difference from fp32's with the same
-seed (%), the mean and sample standard deviation of those differences, and each run paired
-against torchao (mean of the per-seed differences of the differences and its standard error).
+seed (%), the mean, sample standard deviation and mean magnitude of those differences, and each
+run paired with fp8fx, torchao and torchao-no-lm-head (mean of the per-seed differences of the
+differences and its standard error).
 """
 
 from __future__ import annotations
@@ -123,37 +124,50 @@ def train(name: str, seed: int, steps: int, train_data, val_data, vocab: int) ->
     return loss.item(), val, seconds
 
 
+PAIRED_WITH = ("fp8fx", "torchao", "torchao-no-lm-head")
+
+
 def summarize(rows: list[dict]) -> str:
     """The table: per run, each seed's validation loss and % difference from fp32 with the same
-    seed, their mean and sample std, and the run paired against torchao (mean and standard error
-    of the per-seed differences of the % differences)."""
+    seed, their mean, sample std and mean magnitude, and the run paired with each run of
+    `PAIRED_WITH` present (mean and standard error of the per-seed differences of the % differences,
+    over the seeds both have)."""
     val = {(r["run"], int(r["seed"])): float(r["val_loss"]) for r in rows}
     runs = [r for r in RUNS if any(k[0] == r for k in val)]
     base = {s: v for (r, s), v in val.items() if r == "fp32"}
     rel = {k: 100 * (v - base[k[1]]) / base[k[1]] for k, v in val.items() if k[1] in base}
+    pairs = [p for p in PAIRED_WITH if p in runs]
     lines = []
     if base:
         b = list(base.values())
         spread = 100 * statistics.stdev(b) / statistics.fmean(b) if len(b) > 1 else math.nan
         lines.append(f"fp32: {len(b)} seeds, mean {statistics.fmean(b):.4f}, seed-to-seed std {spread:.2f}% of the mean")
     lines.append(
-        f"{'run':17s} {'n':>2s} {'mean diff %':>11s} {'std %':>6s} {'|diff| %':>8s} {'vs torchao %':>13s} {'SE':>5s}  per seed: val loss (diff %)"
+        f"{'run':19s} {'n':>2s} {'mean diff %':>11s} {'std %':>6s} {'|diff| %':>8s} "
+        + " ".join(f"{'vs ' + p + ' % (SE)':>31s}" for p in pairs)
+        + "  per seed: val loss (diff %)"
     )
+
+    def stats(values: list[float]) -> tuple[float, float]:
+        return (statistics.fmean(values) if values else math.nan, statistics.stdev(values) if len(values) > 1 else math.nan)
+
     for run in runs:
         seeds = sorted(s for r, s in val if r == run)
         diffs = [rel[(run, s)] for s in seeds if (run, s) in rel]
-        mean = statistics.fmean(diffs) if diffs else math.nan
-        std = statistics.stdev(diffs) if len(diffs) > 1 else math.nan
+        mean, std = stats(diffs)
         mean_abs = statistics.fmean(abs(d) for d in diffs) if diffs else math.nan
-        paired = [rel[(run, s)] - rel[("torchao", s)] for s in seeds if (run, s) in rel and ("torchao", s) in rel]
-        if run != "torchao" and len(paired) > 1:
-            vs = f"{statistics.fmean(paired):+13.3f} {statistics.stdev(paired) / math.sqrt(len(paired)):5.3f}"
-        else:
-            vs = f"{'-':>13s} {'-':>5s}"
+        columns = []
+        for other in pairs:
+            paired = [rel[(run, s)] - rel[(other, s)] for s in seeds if (run, s) in rel and (other, s) in rel]
+            if other == run or len(paired) < 2:
+                columns.append(f"{'-':>31s}")
+            else:
+                m, sd = stats(paired)
+                columns.append(f"{f'{m:+.3f} ({sd / math.sqrt(len(paired)):.3f}, n={len(paired)})':>31s}")
         per_seed = "  ".join(
             f"{s}: {val[(run, s)]:.4f}" + (f" ({rel[(run, s)]:+.2f})" if run != "fp32" and (run, s) in rel else "") for s in seeds
         )
-        lines.append(f"{run:17s} {len(seeds):2d} {mean:+11.3f} {std:6.3f} {mean_abs:8.3f} {vs}  {per_seed}")
+        lines.append(f"{run:19s} {len(seeds):2d} {mean:+11.3f} {std:6.3f} {mean_abs:8.3f} {' '.join(columns)}  {per_seed}")
     return "\n".join(lines)
 
 

@@ -47,7 +47,7 @@ def test_table_pairs_against_torchao():
     line = next(row for row in bench.summarize(rows).splitlines() if row.startswith("fp8fx "))
     fields = line.split()
     # fp8fx: +1.0% and -0.5% from fp32; against torchao's +0.5% and 0%: +0.5 and -0.5, mean 0, SE 0.5
-    assert fields[1:7] == ["2", "+0.250", "1.061", "0.750", "+0.000", "0.500"]
+    assert fields[1:9] == ["2", "+0.250", "1.061", "0.750", "-", "+0.000", "(0.500,", "n=2)"]
     assert "0: 2.0200 (+1.00)" in line
 
 
