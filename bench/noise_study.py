@@ -50,9 +50,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convergence import GPT, corpus  # noqa: E402  (bench/ is not a package)
+from convergence import GPT, corpus  # (bench/ is not a package)
 
-import fp8fx  # noqa: E402
+import fp8fx
 
 RUNS = (
     "fp32",
