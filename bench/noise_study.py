@@ -1,6 +1,6 @@
 """Noise the defaults add: how far fp8fx's default path and torchao's float8 emulation move a small
 fp32 GPT's final validation loss from fp32's, per seed, and which part of fp8fx's default path
-(BF16-kept GEMM outputs, Inductor's fusion, recomputed weight casts) adds movement (issue 50, item 3).
+(BF16-kept GEMM outputs, Inductor's fusion, recomputed weight casts) adds movement.
 
 The model and setting a new user would try: `bench/convergence.py`'s character-level GPT (3 layers,
 width 192, 4 heads, LayerNorm, GELU MLP 4x, causal SDPA, learned positions, lm_head without bias)
