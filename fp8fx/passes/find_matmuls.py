@@ -268,20 +268,20 @@ class Gemm:
         """Whether a dimension is symbolic (a dynamic-shape compile) and `flops` counts its hint: the
         size of the example the graph was compiled for."""
         dims = (self.m, self.n, self.k, self.batch)
-        return not self.flops_known and all(_hint(d) is not None for d in dims)
+        return not self.flops_known and all(dim_hint(d) is not None for d in dims)
 
     @property
     def flops(self) -> int:
         """2 * M * N * K * batch, from the compile's shape hints where a dimension is symbolic; 0
         when a dimension is unknown or has no hint (data-dependent)."""
-        dims = [_hint(d) for d in (self.m, self.n, self.k, self.batch)]
+        dims = [dim_hint(d) for d in (self.m, self.n, self.k, self.batch)]
         if any(d is None for d in dims):
             return 0
         m, n, k, batch = dims
         return 2 * m * n * k * batch * self.count
 
 
-def _hint(d) -> int | None:
+def dim_hint(d) -> int | None:
     """A dimension's value, or a symbolic one's hint (None without: unknown or data-dependent)."""
     if isinstance(d, int):
         return d

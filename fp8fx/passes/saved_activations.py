@@ -28,6 +28,7 @@ and kind (`fp8fx.core.policy.SavedActivations`).
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import asdict, dataclass
 
@@ -36,7 +37,7 @@ from torch import fx
 
 from fp8fx.core.formats import FP8_DTYPES
 from fp8fx.core.policy import SAVED_BLOCKS, Precision, SavedActivations
-from fp8fx.passes.find_matmuls import module_fqn
+from fp8fx.passes.find_matmuls import dim_hint, module_fqn
 from fp8fx.passes.graph_utils import add_node, fake_mode_of
 
 fp8fx_ops = torch.ops.fp8fx
@@ -173,17 +174,16 @@ def classify(node: fx.Node) -> str:
 
 
 def _numel(val: torch.Tensor) -> int | None:
-    """Elements of `val`, None where a size is symbolic."""
-    try:
-        return int(val.numel())
-    except (TypeError, RuntimeError, ValueError):
-        return None
+    """Elements of `val`, from the compile's hints where a size is symbolic (no guard: the graph stays
+    dynamic); None where a size has no hint."""
+    sizes = [dim_hint(d) for d in val.shape]
+    return None if None in sizes else math.prod(sizes)
 
 
 def _fp8_bytes(val: torch.Tensor, block: list[int]) -> int:
-    rows = int(val.numel()) // int(val.shape[-1])
-    groups = -(-int(val.shape[-1]) // (block[1] or int(val.shape[-1])))
-    return int(val.numel()) + 4 * rows * groups
+    """Bytes of `val` in FP8 with an fp32 scale per `block` of its rows (sizes hinted)."""
+    numel, cols = _numel(val), dim_hint(val.shape[-1])
+    return numel + 4 * (numel // cols) * -(-cols // (block[1] or cols))
 
 
 def keep_saved_in_fp8(
@@ -220,16 +220,16 @@ def keep_saved_in_fp8(
         if why is None and nodes != [root] and _replayable(root, nodes) and _why_high(root, False) is None:
             if _fp8_bytes(root.meta["val"], block) < sum(_fp8_bytes(n.meta["val"], block) for n in nodes):
                 plan = {root: (fmt, block, nodes)}
-        kept = sum(_fp8_bytes(n.meta["val"], block) for n in plan)
+        kept = sum(_fp8_bytes(n.meta["val"], block) for n in plan) if why is None else high
         if why is None and kept > _MAX_KEPT_FRACTION * high:
             why = "too small for FP8 to save bytes (its scales)"
-        total = sum(int(n.meta["val"].numel()) for n in nodes) if numel is not None else 1
+        total = sum(_numel(n.meta["val"]) or 0 for n in nodes) or 1
         for node in nodes:
             v = node.meta["val"]
             dtype = str(v.dtype).removeprefix("torch.")
-            share = high * int(v.numel()) // total if numel is not None else 0
+            share = high * (_numel(v) or 0) // total
             if why is None:
-                kept_as, mine, reason = f"{fmt.value} {granularity.value}", kept * int(v.numel()) // total, f"the policy's {source}"
+                kept_as, mine, reason = f"{fmt.value} {granularity.value}", kept * _numel(v) // total, f"the policy's {source}"
             else:
                 kept_as, mine, reason = dtype, share, why
             records[node] = SavedTensor(node.name, module, kind, tuple(v.shape), dtype, kept_as, share, mine, reason)
@@ -268,7 +268,7 @@ def _why_high(node: fx.Node, forward_output: bool) -> str | None:
     if _attention_role(node) == "statistics":
         return "attention's softmax statistics or mask: backward recomputes the softmax from them exactly"
     if _numel(val) is None or not isinstance(val.shape[-1], int):
-        return "a size is dynamic"
+        return "a size without a hint, or a dynamic last dimension"
     if _broadcast(node):
         return "a table forward broadcasts over larger tensors (rotary embeddings, a mask): one error would reach every row"
     if val.dim() < 2:

@@ -210,3 +210,14 @@ def test_off_by_default_and_checked():
         fp8fx.backend(saved_activations="high", policy=Policy(saved_activations=SavedActivations(precision="fp8")))
     with pytest.raises(ValueError, match=r"saved_outputs='high' .* saved_activations keeps them in FP8"):
         fp8fx.backend(saved_activations="fp8", saved_outputs="high")
+
+
+def test_dynamic_shapes_stay_dynamic():
+    """A compile with a dynamic sequence length keeps its saved tensors in FP8 without specialising
+    the graph (sizes are read from the compile's hints): two lengths, one graph."""
+    backend = fp8fx.backend(inner="eager", saved_activations="fp8")
+    compiled = torch.compile(Loss(llama(1)), backend=backend, dynamic=True)
+    for length in (32, 48):
+        compiled(torch.randint(0, 256, (2, length))).backward()
+    assert len(backend.graphs) == 1
+    assert sum(t.fp8 for t in fp8fx.report(backend).saved_tensors) >= 8

@@ -133,12 +133,12 @@ def test_descriptors_equal_the_constructors(shape, transposed):
 def test_tma_kernel_takes_the_pointer_kernels_arguments():
     """The launcher's contract: the pointer kernel's arguments with descriptors for the operand
     pointers and without their strides (and its own family's config constexprs, which have
-    defaults: the mx family's BLOCK_SCALED_MMA), then the config's constexprs."""
+    defaults: the mx family's BLOCK_SCALED_MMA, split-K's PARTIAL), then the config's constexprs."""
     from fp8fx.codegen.tma_kernel import fp8_gemm_tma_kernel
     from fp8fx.codegen.triton_kernels import fp8_gemm_kernel
 
     own = {p.name for p in inspect.signature(fp8_gemm_kernel.fn).parameters.values() if p.default is not inspect.Parameter.empty}
-    assert own == {"BLOCK_SCALED_MMA"}
+    assert own == {"BLOCK_SCALED_MMA", "PARTIAL"}
     pointer = [{"a_ptr": "a_desc", "b_ptr": "b_desc"}.get(n, n) for n in fp8_gemm_kernel.arg_names if n not in own]
     pointer = [n for n in pointer if n not in ("stride_am", "stride_ak", "stride_bk", "stride_bn")]
     tma = fp8_gemm_tma_kernel.arg_names
