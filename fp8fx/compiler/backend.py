@@ -561,6 +561,10 @@ def backend(policy: Policy | str | Path | None = None, **options: Any) -> Fp8fxB
     and backward: "bf16" (half the bytes; backward reads them rounded to BF16) or "high" (as
     computed); see `fp8fx.passes.saved_outputs`.
 
+    `saved_activations` is what the other tensors backward reads are kept as: "fp8" (E4M3 with a
+    scale per row, or as the policy's `saved_activations` section says), "high", or None (the
+    policy's section decides; high where it sets nothing); see `fp8fx.passes.saved_activations`.
+
     `weight_fp8` is what backward's GEMMs read of a weight: "keep" (the FP8 copy forward made,
     saved for backward) or "recompute" (cast again in backward from the weight, which is alive
     anyway, with the scale forward computed: fewer saved bytes for one more cast per weight;
