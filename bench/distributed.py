@@ -2,11 +2,13 @@
 DDP on 2 gloo ranks (CPU), for fp32, BF16 mixed precision, fp8fx, fp8fx with FP8 all-gather, and
 each MS-AMP precision level (O1-O3).
 
-Run: python bench/distributed.py [--layers 2 --dim 256 --seq 64 --batch 8 --steps 3]
+Run: python bench/distributed.py [--layers 2 --dim 256 --seq 64 --batch 8 --steps 3] [--runs "FSDP2 fp8fx O1,FSDP2 fp8fx O2"] [--seed 0]
 Per run and rank, over the last step: bytes put into all-gathers (FSDP2's parameter gathers),
 reduce-scatters (FSDP2's gradients) and all-reduces (DDP's gradients), counted where FSDP2 and
 DDP hand them to the collective; bytes saved for backward (saved-tensor hooks, distinct storages,
-parameters not counted); and the rank's parameter, gradient and AdamW state bytes (its shards).
+parameters not counted); and the rank's parameter, gradient and AdamW state bytes (its shards). Also the
+training loss, averaged over the last 10 steps: with `--steps` in the hundreds, O2's Fp8AdamW against O1's
+AdamW under FSDP2 (same init, from `--seed`, and batches).
 fp8fx runs use the tensorwise recipe with lm_head high.
 """
 
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from convergence import corpus  # the convergence bench's text: a loss worth comparing between optimizers
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 import fp8fx
@@ -112,7 +115,7 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
 
 def run(name: str, rank: int, args) -> dict:
     engine, use_fp8fx, param_dtype, fp8_gather, level = RUNS[name]
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     model = TinyTransformer(dim=args.dim, layers=args.layers, max_seq=args.seq)
     counter = Counter()
     policy = dataclasses.replace(POLICY, level=level)
@@ -150,12 +153,13 @@ def run(name: str, rank: int, args) -> dict:
             module.set_custom_reduce_scatter(CountingReduceScatter(counter))
         step_model = model
     opt = make_optimizer(model.parameters(), lr=1e-3)
-    saved = 0
+    saved, losses, text = 0, [], corpus()[0]
     for step in range(args.steps):
         counter.bytes = dict.fromkeys(counter.bytes, 0)
         sent_before = setup.comm.bytes_sent if setup else 0
         g = torch.Generator().manual_seed(step)
-        data = torch.randint(0, 256, (args.batch, args.seq + 1), generator=g)
+        starts = torch.randint(0, len(text) - args.seq - 1, (args.batch,), generator=g).tolist()
+        data = torch.stack([text[s : s + args.seq + 1] for s in starts])
         x, y = data[rank :: WORLD, :-1], data[rank :: WORLD, 1:]
         seen: dict[int, int] = {}
 
@@ -168,13 +172,16 @@ def run(name: str, rank: int, args) -> dict:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = F.cross_entropy(step_model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
+        losses.append(loss.item())
         opt.step()
         opt.zero_grad(set_to_none=False)
         saved = sum(seen.values())
         if setup is not None:  # the level's FP8 gradient reduction counts its own bytes
             counter.bytes["reduce_scatter" if engine == "fsdp" else "all_reduce"] = setup.comm.bytes_sent - sent_before
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return {**counter.bytes, "saved": saved, "params": local_bytes(model.parameters()), "grads": local_bytes(grads), "adamw": state_bytes(opt)}
+    loss = sum(losses[-10:]) / len(losses[-10:])
+    return {**counter.bytes, "saved": saved, "params": local_bytes(model.parameters()), "grads": local_bytes(grads),
+            "adamw": state_bytes(opt), "loss": loss}  # fmt: skip
 
 
 def worker(rank: int, store: str, out: str, args) -> None:
@@ -182,9 +189,9 @@ def worker(rank: int, store: str, out: str, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
-        for name in RUNS:
+        for name in args.runs:
             torch._dynamo.reset()
-            torch.save(run(name, rank, args), Path(out) / f"{list(RUNS).index(name)}-{rank}.pt")
+            torch.save(run(name, rank, args), Path(out) / f"{args.runs.index(name)}-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -193,23 +200,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("--layers", 2), ("--dim", 256), ("--seq", 64), ("--batch", 8), ("--steps", 3)):
         ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--seed", type=int, default=0, help="the model's initialisation")
+    ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of: " + ", ".join(RUNS))
     args = ap.parse_args()
+    args.runs = args.runs.split(",")
+    unknown = [name for name in args.runs if name not in RUNS]
+    if unknown:
+        raise SystemExit(f"unknown run(s) {unknown}; choose from {', '.join(RUNS)}")
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(worker, args=(str(Path(out) / "store"), out, args), nprocs=WORLD, join=True, start_method="spawn")
-        results = {name: [torch.load(Path(out) / f"{i}-{r}.pt") for r in range(WORLD)] for i, name in enumerate(RUNS)}
+        results = {name: [torch.load(Path(out) / f"{i}-{r}.pt") for r in range(WORLD)] for i, name in enumerate(args.runs)}
     kib = 1024
     print(f"per rank, last of {args.steps} steps; {args.layers} layers, dim {args.dim}, {args.batch} x {args.seq} tokens over {WORLD} ranks (KiB)")
-    print(f"{'run':42s} {'all-gather':>10s} {'reduce-sc.':>10s} {'all-reduce':>10s} {'comm total':>10s} {'vs fp32':>7s} {'vs bf16':>7s} {'saved bw':>9s} {'params':>8s} {'grads':>8s} {'adamw':>8s}")
+    print(f"{'run':42s} {'all-gather':>10s} {'reduce-sc.':>10s} {'all-reduce':>10s} {'comm total':>10s} {'vs fp32':>7s} {'vs bf16':>7s} {'saved bw':>9s} {'params':>8s} {'grads':>8s} {'adamw':>8s} {'loss':>7s}")
     totals = {name: sum(r[0][k] for k in ("all_gather", "reduce_scatter", "all_reduce")) for name, r in results.items()}
     for name, ranks in results.items():
         r = ranks[0]
-        base = totals["DDP fp32" if name.startswith("DDP") else "FSDP2 fp32"]
+        base = totals.get("DDP fp32" if name.startswith("DDP") else "FSDP2 fp32")
         bf16 = totals.get("FSDP2 bf16 params") if name.startswith("FSDP2") else None
         vs_bf16 = f"{totals[name] / bf16:7.2f}" if bf16 else f"{'-':>7s}"
         cells = [r["all_gather"], r["reduce_scatter"], r["all_reduce"], totals[name]]
-        print(f"{name:42s} " + " ".join(f"{c / kib:10.1f}" for c in cells) + f" {totals[name] / base:7.2f} {vs_bf16} {r['saved'] / kib:9.1f} {r['params'] / kib:8.1f} {r['grads'] / kib:8.1f} {r['adamw'] / kib:8.1f}")
-    ag = {name: results[name][0]["all_gather"] for name in ("FSDP2 bf16 params", "FSDP2 fp8fx FP8 all-gather, bf16 params")}
-    print(f"\nFP8 all-gather vs BF16 all-gather: x{ag['FSDP2 fp8fx FP8 all-gather, bf16 params'] / ag['FSDP2 bf16 params']:.2f} bytes")
+        print(f"{name:42s} " + " ".join(f"{c / kib:10.1f}" for c in cells) + f" {f'{totals[name] / base:7.2f}' if base else f'{chr(45):>7s}'} {vs_bf16} {r['saved'] / kib:9.1f} {r['params'] / kib:8.1f}"
+              f" {r['grads'] / kib:8.1f} {r['adamw'] / kib:8.1f} {r['loss']:7.4f}")
+    pair = ("FSDP2 bf16 params", "FSDP2 fp8fx FP8 all-gather, bf16 params")
+    if all(name in results for name in pair):
+        ag = {name: results[name][0]["all_gather"] for name in pair}
+        print(f"\nFP8 all-gather vs BF16 all-gather: x{ag[pair[1]] / ag[pair[0]]:.2f} bytes")
 
 
 if __name__ == "__main__":
