@@ -30,8 +30,15 @@ from fp8fx.codegen.dispatch import triton_available
 from fp8fx.codegen.variants import device_target
 from fp8fx.compiler import cache
 from fp8fx.compiler.memory_passes import MemoryPassCounts
-from fp8fx.compiler.pipeline import BEFORE_AOT, EAGER_AFTER_PARTITION, EAGER_JOINT, JOINT, REWRITE, StageContext
-from fp8fx.compiler.pipeline import compile_partitioned
+from fp8fx.compiler.pipeline import (
+    BEFORE_AOT,
+    EAGER_AFTER_PARTITION,
+    EAGER_JOINT,
+    JOINT,
+    REWRITE,
+    StageContext,
+    compile_partitioned,
+)
 from fp8fx.compiler.state import Fp8State, StateInstance, instance_keys, locate
 from fp8fx.core.patterns import BY_TARGET, OPAQUE
 from fp8fx.core.policy import Policy
@@ -48,6 +55,7 @@ from fp8fx.reporting.uncaptured import find_uncaptured
 from fp8fx.runtime.monitor import Monitor
 from fp8fx.runtime.numerics import NumericsCollector
 from fp8fx.runtime.shadow import ShadowChecks
+
 
 @dataclass
 class DynamoGraph:
@@ -365,7 +373,11 @@ class Fp8fxBackend:
             handle = [n for n in gm.graph.nodes if n.op == "placeholder" and not str(n.target).startswith("tangents")][-1]
             delayed = DelayedInputs(handle, _amax_group_name(state))
         ctx = PassContext(
-            options=self.options, overrides=dict(self.overrides), param_inputs=param_inputs, taps=taps, delayed=delayed,
+            options=self.options,
+            overrides=dict(self.overrides),
+            param_inputs=param_inputs,
+            taps=taps,
+            delayed=delayed,
             inference=kind == "inference",
         )
         gm = run_passes(gm, ctx, REWRITE.passes, stage=REWRITE.name)
@@ -379,7 +391,9 @@ class Fp8fxBackend:
         (`fp8fx.passes.saved_activations`), recorded on the joint graph's record."""
         if self.options.saves_fp8:
             saved = self.options.policy.saved_activations
-            self.graphs[-1].saved_tensors = keep_saved_in_fp8(forward, backward, num_fwd_outputs, saved, self.options.saved_precision)
+            self.graphs[-1].saved_tensors = keep_saved_in_fp8(
+                forward, backward, num_fwd_outputs, saved, self.options.saved_precision
+            )
 
     def _keep(self, kind: str, gm: fx.GraphModule) -> None:
         if self.options.keep_graphs:
@@ -458,7 +472,9 @@ class Fp8fxBackend:
                 ops = [replace(op, graph=index) for op in g["ops"]]
                 params, state = rewrite.params, rewrite.state
                 saved = [SavedTensor.from_dict(t) for t in g.get("saved_tensors", [])]
-                record = GraphRecord(index, g["kind"], ops, params, state, g["non_gemm_bytes"], g["delayed_states"], saved_tensors=saved)
+                record = GraphRecord(
+                    index, g["kind"], ops, params, state, g["non_gemm_bytes"], g["delayed_states"], saved_tensors=saved
+                )
                 self.graphs.append(record)
         return compiled
 
@@ -662,6 +678,7 @@ def stats(compiled: Any) -> Monitor:
 
 def _report(backend: Fp8fxBackend, graphs: list[GraphRecord] | None = None) -> Report:
     graphs = backend.graphs if graphs is None else graphs
+
     def summed(dicts) -> dict[str, int]:
         total: dict[str, int] = {}
         for d in dicts:

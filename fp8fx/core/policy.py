@@ -413,7 +413,9 @@ class SavedRule:
         if self.kind is not None:
             kinds = [self.kind] if isinstance(self.kind, str) else self.kind
             if not isinstance(kinds, (list, tuple)) or not kinds:
-                raise PolicyError("kind", f"expected a kind or a non-empty list of them ({'|'.join(SAVED_KINDS)}), got {self.kind!r}")
+                raise PolicyError(
+                    "kind", f"expected a kind or a non-empty list of them ({'|'.join(SAVED_KINDS)}), got {self.kind!r}"
+                )
             for i, kind in enumerate(kinds):
                 if kind not in SAVED_KINDS:
                     raise PolicyError(f"kind[{i}]", f"expected {'|'.join(SAVED_KINDS)}, got {kind!r}")

@@ -162,7 +162,9 @@ class _Decoder:
         rules = []
         if "rules" in items:
             if not isinstance(items["rules"], yaml.SequenceNode):
-                raise self.fail(items["rules"], "saved_activations.rules", f"expected a list of rules, got {_kind(items['rules'])}")
+                raise self.fail(
+                    items["rules"], "saved_activations.rules", f"expected a list of rules, got {_kind(items['rules'])}"
+                )
             for i, rule_node in enumerate(items["rules"].value):
                 key_path = f"saved_activations.rules[{i}]"
                 rule_items = self.mapping(rule_node, key_path, _SAVED_RULE_KEYS)

@@ -92,9 +92,11 @@ class BackendOptions:
                 f"fp8fx.backend: saved_activations={self.saved_activations!r} contradicts the policy's "
                 f"saved_activations.precision: {saved.value}{f' ({policy.source})' if policy.source else ''}; give one of them"
             )
-        if self.saved_outputs == "high" and (self.saved_activations == "fp8" or saved is Precision.FP8 or any(
-            r.precision is Precision.FP8 for r in policy.saved_activations.rules
-        )):
+        if self.saved_outputs == "high" and (
+            self.saved_activations == "fp8"
+            or saved is Precision.FP8
+            or any(r.precision is Precision.FP8 for r in policy.saved_activations.rules)
+        ):
             raise ValueError(
                 "fp8fx.backend: saved_outputs='high' keeps the GEMM outputs backward reads in their precision, and "
                 "saved_activations keeps them in FP8: turn one of them off"

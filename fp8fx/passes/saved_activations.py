@@ -217,9 +217,9 @@ def keep_saved_in_fp8(
         # Each view cast alone, or the storage cast once and viewed again in backward (an expanded
         # K or V of grouped-query attention is larger than its storage): the fewer bytes.
         plan = {n: (fmt, block, [n]) for n in nodes}
-        if why is None and nodes != [root] and _replayable(root, nodes) and _why_high(root, False) is None:
-            if _fp8_bytes(root.meta["val"], block) < sum(_fp8_bytes(n.meta["val"], block) for n in nodes):
-                plan = {root: (fmt, block, nodes)}
+        whole = why is None and nodes != [root] and _replayable(root, nodes) and _why_high(root, False) is None
+        if whole and _fp8_bytes(root.meta["val"], block) < sum(_fp8_bytes(n.meta["val"], block) for n in nodes):
+            plan = {root: (fmt, block, nodes)}
         kept = sum(_fp8_bytes(n.meta["val"], block) for n in plan) if why is None else high
         if why is None and kept > _MAX_KEPT_FRACTION * high:
             why = "too small for FP8 to save bytes (its scales)"
