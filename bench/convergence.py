@@ -3,10 +3,12 @@ recipe (lm_head high), and torchao's float8 emulate mode and MXFP8 emulation - s
 per seed. `--experts E` makes every MLP a mixture of E experts (top 2) run as grouped GEMMs.
 
 The defaults against torchao, both compiled by Inductor: `fp8fx-default` is exactly
-`torch.compile(model, backend="fp8fx")` (default policy: tensorwise, lm_head in FP8 too),
+`torch.compile(model, backend="fp8fx")` (default policy: tensorwise; lm_head, as wide as the
+corpus's 103 characters, stays high: N is not a multiple of 16),
 `fp8fx-default-high` the same with `saved_outputs="high"`, and `torchao-default` torchao's
 `convert_to_float8_training` (emulate=True; the same recipe: dynamic tensorwise scales, E4M3
-forward, E5M2 gradients) on every Linear, lm_head included, under `torch.compile(model)`.
+forward, E5M2 gradients) on every Linear, lm_head included (torchao takes N = 103), under
+`torch.compile(model)`: not the same GEMMs in FP8.
 `--autocast` runs every run's model under BF16 autocast; its baseline is then the `bf16` run:
     python bench/convergence.py --autocast --runs bf16,fp8fx-default,fp8fx-default-high,torchao-default
 
