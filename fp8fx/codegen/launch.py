@@ -664,6 +664,8 @@ def quantize(
     variant = QuantizeVariant(x.dtype, dtype, block, margin, power_of_two, amax_given=not block)  # tensorwise: amax first
     r, c = x.shape
     out = _empty_fp8(r, c, dtype, device, transpose)
+    if x.numel() == 0:  # nothing to cast; each block's amax is 0, whose scale is 1 (no program would write it)
+        return out, torch.ones(scale_shape(x.shape, block), dtype=torch.float32, device=device)
     scale = torch.empty(scale_shape(x.shape, block), dtype=torch.float32, device=device)
     if not block and amax is None:  # tensorwise: amax over the whole tensor first
         amax = torch.zeros((), dtype=torch.float32, device=device)
@@ -697,6 +699,8 @@ def cast(x: Tensor, scale: Tensor, dtype: torch.dtype, block: tuple = ()) -> Ten
             f"{tuple(scale.shape)}"
         )
     out = torch.empty_like(x, dtype=dtype)
+    if x.numel() == 0:  # (no rows to view it as, and nothing to cast)
+        return out
     x_in, out_in = x, out
     if not block and out.stride() == x.stride():  # elementwise: any order of dims will do, memory's reads best
         order = storage_order(x)

@@ -36,7 +36,9 @@ Block = tuple[int, ...]  # () or (b0, b1)
 
 
 def tensor_amax(x: Tensor) -> Tensor:
-    """Largest magnitude of `x` as an fp32 scalar (NaN if `x` holds a NaN)."""
+    """Largest magnitude of `x` as an fp32 scalar (NaN if `x` holds a NaN; 0 if it is empty)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
     lo, hi = torch.aminmax(x.detach())  # one pass, no |x| temporary
     return torch.maximum(-lo, hi).to(torch.float32)
 
@@ -52,13 +54,21 @@ def scale_shape(shape: torch.Size | tuple, block: Block) -> tuple:
     if not block:
         return ()
     b0, b1 = block_dims(shape, block)
-    return (*shape[:-2], math.ceil(shape[-2] / b0), math.ceil(shape[-1] / b1))
+    return (*shape[:-2], _blocks(shape[-2], b0), _blocks(shape[-1], b1))
+
+
+def _blocks(size: int, block: int) -> int:
+    """Blocks along a dimension of `size`; a whole dimension of size 0 is one empty block, so an
+    empty tensor's scales have the shape they have at any other size (one per column: [1, cols])."""
+    return math.ceil(size / block) if block else 1
 
 
 def block_amax(x: Tensor, block: Block) -> Tensor:
     """amax per block of the last two dims: [..., ceil(rows/b0), ceil(cols/b1)] in fp32."""
     if not block:
         return tensor_amax(x)
+    if x.numel() == 0:  # no values: every block's amax is 0 (scale 1)
+        return torch.zeros(scale_shape(x.shape, block), dtype=torch.float32, device=x.device)
     rows, cols = x.shape[-2], x.shape[-1]
     b0, b1 = block_dims(x.shape, block)
     n0, n1 = math.ceil(rows / b0), math.ceil(cols / b1)

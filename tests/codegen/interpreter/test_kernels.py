@@ -15,7 +15,7 @@ from helpers import GatedBlock, sqnr
 
 from fp8fx.codegen import launch
 from fp8fx.core.epilogue import Epilogue
-from fp8fx.core.scaling import amax_to_scale, block_amax
+from fp8fx.core.scaling import amax_to_scale, block_amax, scale_shape
 from fp8fx.ops import reference
 from fp8fx.ops.args import Fp8GemmArgs
 
@@ -97,6 +97,20 @@ def test_quantize_and_cast_at_ragged_edges(shape):
         given = ref_scale * 4  # some values saturate
         q = launch.cast(x, given, E4M3, block)
         assert torch.equal(q.view(torch.uint8), reference.cast(x, given, E4M3, list(block)).view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (64, 0)], ids=str)
+def test_quantize_and_cast_empty_tensors(shape):
+    """An empty operand (a batch of no tokens): an empty FP8 tensor, and scales of the reference's
+    shape (a whole empty dimension is one block) for an amax of 0, which is scale 1."""
+    x = torch.randn(shape)
+    for block in QUANT_BLOCKS:
+        q, scale = launch.quantize(x, E4M3, block)
+        ref_amax = block_amax(x, block)
+        assert q.shape == x.shape and q.dtype == E4M3
+        assert scale.shape == ref_amax.shape == scale_shape(shape, block) and (ref_amax == 0).all()
+        assert torch.equal(scale, amax_to_scale(ref_amax, 448.0)) and (scale == 1).all()
+        assert launch.cast(x, scale, E4M3, block).shape == x.shape
 
 
 GEMM_BLOCKS = [((), ()), ((1, 0), (0, 1)), ((1, 128), (128, 128)), ((1, 128), (128, 1)), ((128, 128), (128, 1))]
