@@ -145,12 +145,16 @@ def scheduled_by_triton(counts: list):
     from fp8fx.compiler import lowering, memory_passes
 
     def stop(scheduler):
+        kernels = sum(not n.is_extern() for n in scheduler.nodes)
+        if not memory_passes._active:  # no FP8 GEMM in the graph (N or K not a multiple of 16): nothing is counted
+            counts.append((0, kernels, 0))
+            raise _Scheduled
         active = memory_passes._active[-1]
         graph = MemoryPassCounts(charge=active.charge)
         graph.min_numel = active.min_numel
         graph.count(scheduler.nodes)
         amax_passes = sum(not n.is_extern() and amax_pass(n, graph.min_numel) for n in scheduler.nodes)
-        counts.append((sum(graph.counts.values()), sum(not n.is_extern() for n in scheduler.nodes), amax_passes))
+        counts.append((sum(graph.counts.values()), kernels, amax_passes))
         raise _Scheduled
 
     @contextlib.contextmanager
@@ -225,8 +229,8 @@ def count_triton_scheduled(recipe: str, args) -> dict:
             if not _scheduled(e):
                 raise
     assert len(counts) == 2, f"{recipe}: one backward graph expected, {len(counts) - 1} scheduled"
-    gemms = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    return {"recipe": recipe, "fp8_gemms": 3 * gemms, "fp8fx_ops_called": None, "memory_passes_added": sum(c[0] for c in counts),
+    fp8_gemms = 3 * sum(isinstance(m, torch.nn.Linear) for m in model.modules()) if torchao else len(fp8fx.report(backend).fp8_ops)
+    return {"recipe": recipe, "fp8_gemms": fp8_gemms, "fp8fx_ops_called": None, "memory_passes_added": sum(c[0] for c in counts),
             "transposed_copies": 0, "memory_passes_one_by_one": None, "kernels": [c[1] for c in counts],
             "amax_passes": [c[2] for c in counts]}  # fmt: skip
 
