@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fp8fx.codegen.triton_kernels import apply_scales, dot_accumulate, epilogue_store, split_range, store_partial, tile_position
+from fp8fx.codegen.triton_kernels import dot_accumulate, finish_tile, split_range, store_partial, tile_position
 
 
 @triton.jit
@@ -57,89 +57,6 @@ def _k_block_scales(
     else:
         s = tl.load(base + ((start + j) // BLOCK) * stride_idx, mask=start + j < limit, other=1.0)
     return s
-
-
-@triton.jit
-def _finish_slice(
-    acc,
-    offs_m,
-    offs_n,
-    mask_m,
-    M,
-    N,
-    out_ptr,
-    scale_a_ptr,
-    scale_b_ptr,
-    bias_ptr,
-    other_ptr,
-    residual_ptr,
-    aux_ptr,
-    out_scale_ptr,
-    amax_ptr,
-    stride_om,
-    stride_on,
-    stride_sa_row,
-    stride_sb_col,
-    stride_xm,
-    stride_xn,
-    stride_rm,
-    stride_rn,
-    stride_aux_m,
-    stride_aux_n,
-    A_ROW_BLOCK: tl.constexpr,
-    B_COL_BLOCK: tl.constexpr,
-    SCALED: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    AUX_STAGE: tl.constexpr,
-    ACTIVATION: tl.constexpr,
-    MUL_MODE: tl.constexpr,
-    MUL_ACTIVATION: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    OUT_AMAX: tl.constexpr,
-    OUT_FP8: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    MANTISSA_BITS: tl.constexpr,
-    MIN_EXPONENT: tl.constexpr,
-):
-    """Dequantize (unless the K loop did: SCALED) and run the epilogue on one column slice."""
-    mask_n = offs_n < N
-    if not SCALED:
-        acc = apply_scales(
-            acc, offs_m, offs_n, mask_m, mask_n, scale_a_ptr, scale_b_ptr, stride_sa_row, stride_sb_col, A_ROW_BLOCK, B_COL_BLOCK
-        )
-    epilogue_store(
-        acc,
-        offs_m,
-        offs_n,
-        mask_m,
-        mask_n,
-        out_ptr,
-        bias_ptr,
-        other_ptr,
-        residual_ptr,
-        aux_ptr,
-        out_scale_ptr,
-        amax_ptr,
-        stride_om,
-        stride_on,
-        stride_xm,
-        stride_xn,
-        stride_rm,
-        stride_rn,
-        stride_aux_m,
-        stride_aux_n,
-        HAS_BIAS,
-        AUX_STAGE,
-        ACTIVATION,
-        MUL_MODE,
-        MUL_ACTIVATION,
-        HAS_RESIDUAL,
-        OUT_AMAX,
-        OUT_FP8,
-        FP8_MAX,
-        MANTISSA_BITS,
-        MIN_EXPONENT,
-    )
 
 
 @triton.jit
@@ -266,17 +183,16 @@ def fp8_gemm_tma_kernel(
             s2, s3 = _halves(right, BLOCK_M, BLOCK_N // 2)
             slices = (s0, s1, s2, s3)
         for s in tl.static_range(EPILOGUE_SUBTILE):
+            offs_n_s = offs_n_c + s * SLICE_N
             if PARTIAL:
-                offs_n_s = offs_n_c + s * SLICE_N
                 store_partial(slices[s], out_ptr, split_c, offs_m_c, offs_n_s, mask_m_c, offs_n_s < N, M, stride_om, stride_on)
             else:
-                _finish_slice(
+                finish_tile(
                     slices[s],
                     offs_m_c,
-                    offs_n_c + s * SLICE_N,
+                    offs_n_s,
                     mask_m_c,
-                    M,
-                    N,
+                    offs_n_s < N,
                     out_ptr,
                     scale_a_ptr,
                     scale_b_ptr,

@@ -210,6 +210,88 @@ def epilogue_store(
 
 
 @triton.jit
+def finish_tile(
+    acc,
+    offs_m,
+    offs_n,
+    mask_m,
+    mask_n,
+    out_ptr,
+    scale_a_ptr,
+    scale_b_ptr,
+    bias_ptr,
+    other_ptr,
+    residual_ptr,
+    aux_ptr,
+    out_scale_ptr,
+    amax_ptr,
+    stride_om,
+    stride_on,
+    stride_sa_row,
+    stride_sb_col,
+    stride_xm,
+    stride_xn,
+    stride_rm,
+    stride_rn,
+    stride_aux_m,
+    stride_aux_n,
+    A_ROW_BLOCK: tl.constexpr,
+    B_COL_BLOCK: tl.constexpr,
+    SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    AUX_STAGE: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    MUL_MODE: tl.constexpr,
+    MUL_ACTIVATION: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    OUT_AMAX: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr,
+):
+    """Dequantize (unless the K loop did: SCALED) and run the epilogue on a tile or a column slice of
+    one, after the K loop (or split-K's reduction): every GEMM kernel ends here."""
+    if not SCALED:
+        acc = apply_scales(
+            acc, offs_m, offs_n, mask_m, mask_n, scale_a_ptr, scale_b_ptr, stride_sa_row, stride_sb_col, A_ROW_BLOCK, B_COL_BLOCK
+        )
+    epilogue_store(
+        acc,
+        offs_m,
+        offs_n,
+        mask_m,
+        mask_n,
+        out_ptr,
+        bias_ptr,
+        other_ptr,
+        residual_ptr,
+        aux_ptr,
+        out_scale_ptr,
+        amax_ptr,
+        stride_om,
+        stride_on,
+        stride_xm,
+        stride_xn,
+        stride_rm,
+        stride_rn,
+        stride_aux_m,
+        stride_aux_n,
+        HAS_BIAS,
+        AUX_STAGE,
+        ACTIVATION,
+        MUL_MODE,
+        MUL_ACTIVATION,
+        HAS_RESIDUAL,
+        OUT_AMAX,
+        OUT_FP8,
+        FP8_MAX,
+        MANTISSA_BITS,
+        MIN_EXPONENT,
+    )
+
+
+@triton.jit
 def tile_position(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(row tile, column tile) of linear tile index `tile`, in grouped order: GROUP_M row-tiles
     share their B columns in L2."""
@@ -412,27 +494,16 @@ def fp8_gemm_kernel(
     if PARTIAL:
         store_partial(acc, out_ptr, tl.program_id(1), offs_m, offs_n, mask_m, mask_n, M, stride_om, stride_on)
     else:
-        if not PER_K_SCALES and not BLOCK_SCALED_MMA:
-            acc = apply_scales(
-                acc,
-                offs_m,
-                offs_n,
-                mask_m,
-                mask_n,
-                scale_a_ptr,
-                scale_b_ptr,
-                stride_sa_row,
-                stride_sb_col,
-                A_ROW_BLOCK,
-                B_COL_BLOCK,
-            )
-        epilogue_store(
+        SCALED: tl.constexpr = PER_K_SCALES or BLOCK_SCALED_MMA  # (each K block was scaled in the loop)
+        finish_tile(
             acc,
             offs_m,
             offs_n,
             mask_m,
             mask_n,
             out_ptr,
+            scale_a_ptr,
+            scale_b_ptr,
             bias_ptr,
             other_ptr,
             residual_ptr,
@@ -441,12 +512,17 @@ def fp8_gemm_kernel(
             amax_ptr,
             stride_om,
             stride_on,
+            stride_sa_row,
+            stride_sb_col,
             stride_xm,
             stride_xn,
             stride_rm,
             stride_rn,
             stride_aux_m,
             stride_aux_n,
+            A_ROW_BLOCK,
+            B_COL_BLOCK,
+            SCALED,
             HAS_BIAS,
             AUX_STAGE,
             ACTIVATION,
@@ -523,17 +599,16 @@ def split_k_reduce_kernel(
     for _ in range(SPLIT_K):
         acc += tl.load(ws_ptrs, mask=mask, other=0.0)
         ws_ptrs += stride_ws
-    if A_K_BLOCK == 0 and B_K_BLOCK == 0:
-        acc = apply_scales(
-            acc, offs_m, offs_n, mask_m, mask_n, scale_a_ptr, scale_b_ptr, stride_sa_row, stride_sb_col, A_ROW_BLOCK, B_COL_BLOCK
-        )
-    epilogue_store(
+    PER_K_SCALES: tl.constexpr = A_K_BLOCK != 0 or B_K_BLOCK != 0  # (each split scaled its K blocks)
+    finish_tile(
         acc,
         offs_m,
         offs_n,
         mask_m,
         mask_n,
         out_ptr,
+        scale_a_ptr,
+        scale_b_ptr,
         bias_ptr,
         other_ptr,
         residual_ptr,
@@ -542,12 +617,17 @@ def split_k_reduce_kernel(
         amax_ptr,
         stride_om,
         stride_on,
+        stride_sa_row,
+        stride_sb_col,
         stride_xm,
         stride_xn,
         stride_rm,
         stride_rn,
         stride_aux_m,
         stride_aux_n,
+        A_ROW_BLOCK,
+        B_COL_BLOCK,
+        PER_K_SCALES,
         HAS_BIAS,
         AUX_STAGE,
         ACTIVATION,
