@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ import fp8fx
 from fp8fx.codegen import versions
 from fp8fx.core.policy import PolicyError
 from fp8fx.core.policy_yaml import policy_from_yaml
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 # Bounds for tensorwise HYBRID scaling on tiny models (hidden 64): outputs measure 25-28 dB,
 # weight gradients 18-27 dB. E5M2 gradients carry 2 mantissa bits, so 15 dB is the honest floor.
@@ -144,3 +148,12 @@ def meta_llama(layers: int, hidden: int = 128, inter: int = 256, heads: int = 4,
     )  # fmt: skip
     with torch.device("meta"):
         return LlamaForCausalLM(cfg)
+
+
+def bench_module(name: str):
+    """bench/<name>.py loaded as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+

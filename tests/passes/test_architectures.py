@@ -10,16 +10,13 @@ grouped expert GEMMs in FP8); `FP8FX_ARCHITECTURES=N` more are drawn from the re
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
-from pathlib import Path
 
 import pytest
+from helpers import bench_module
 
-spec = importlib.util.spec_from_file_location("bench_architectures", Path(__file__).parents[2] / "bench" / "architectures.py")
-architectures = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(architectures)
+architectures = bench_module("architectures")
 
 ALWAYS = ["llama", "vit", "mixtral"]
 # Under torch.compile transformers' Mamba takes its associative-scan path (one bmm per layer);

@@ -5,25 +5,19 @@ training writes its rows and reports the gaps to the bf16 run."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import bench_module
 from torch import nn
 
 import fp8fx
 from fp8fx.compiler.backend import DEFAULT_BACKEND, _find_backend
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("convergence_bench", ROOT / "bench" / "convergence.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("convergence")
 
 
 def _tiny(bench) -> nn.Module:

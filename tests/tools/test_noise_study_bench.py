@@ -3,22 +3,15 @@ its name says, and the table pairs the runs' per-seed differences from fp32 agai
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from helpers import bench_module
 from torch import nn
 
 from fp8fx.compiler.backend import DEFAULT_BACKEND, _find_backend
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("noise_study_bench", ROOT / "bench" / "noise_study.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("noise_study")
 
 
 def _tiny(bench) -> nn.Module:
