@@ -157,3 +157,19 @@ def bench_module(name: str):
     spec.loader.exec_module(module)
     return module
 
+
+def kept_for_backward(params, forward) -> tuple[dict[int, tuple[int, torch.dtype]], torch.Tensor]:
+    """The distinct storages autograd keeps for backward while `forward()` runs, `params` left out
+    (data pointer -> (bytes, dtype)), and what `forward()` returned, to run backward from."""
+    skipped = {p.untyped_storage().data_ptr() for p in params}
+    kept: dict[int, tuple[int, torch.dtype]] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skipped:
+            kept[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.dtype)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    return kept, out
+

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import fp8fx_calls, sqnr
+from helpers import fp8fx_calls, kept_for_backward, sqnr
 
 import fp8fx
 from fp8fx.core.policy import Policy, SavedActivations, SavedRule
@@ -60,16 +60,7 @@ def step(model, backend, code: list | None = None) -> tuple[dict, dict[str, torc
     if code is not None:
         code += generated
     model.zero_grad()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: dict[int, tuple[int, torch.dtype]] = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            kept[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.dtype)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = compiled(ids)
+    kept, loss = kept_for_backward(model.parameters(), lambda: compiled(ids))
     loss.backward()
     grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import GRAD_SQNR_DB, GatedBlock, sqnr
+from helpers import GRAD_SQNR_DB, GatedBlock, kept_for_backward, sqnr
 
 import fp8fx
 from fp8fx.compiler.lowering import LOWERED_FROM
@@ -16,19 +16,10 @@ ops = torch.ops.fp8fx
 
 def saved_by_dtype(model, x) -> dict[torch.dtype, int]:
     """Bytes of the distinct non-parameter storages autograd keeps for backward, by dtype."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, tuple[int, torch.dtype]] = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            seen[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.dtype)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(x)
+    kept, out = kept_for_backward(model.parameters(), lambda: model(x))
     out.square().sum().backward()
     totals: dict[torch.dtype, int] = {}
-    for nbytes, dtype in seen.values():
+    for nbytes, dtype in kept.values():
         totals[dtype] = totals.get(dtype, 0) + nbytes
     return totals
 
