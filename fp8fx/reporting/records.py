@@ -337,21 +337,11 @@ class Report:
         return lines
 
     def table(self) -> str:
-        """A fixed-width table, one row per GEMM, then the summary."""
-        header, rows = self.columns(), self.rows()
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in [header, *rows]]
-        lines.insert(1, "-" * min(160, max(len(line) for line in lines)))
-        return "\n".join([*lines, *self._saved_table(), "", *self.summary_lines()])
-
-    def _saved_table(self) -> list[str]:
-        """The saved tensors' table (after the GEMMs'), or nothing."""
-        if not self.saved_tensors:
-            return []
-        header, rows = saved.COLUMNS, saved.rows(self.saved_tensors)
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in [header, *rows]]
-        return ["", *lines[:1], "-" * min(160, max(len(line) for line in lines)), *lines[1:]]
+        """A fixed-width table, one row per GEMM, then the saved tensors' (if any), then the summary."""
+        lines = _fixed_width(self.columns(), self.rows())
+        if self.saved_tensors:
+            lines += ["", *_fixed_width(saved.COLUMNS, saved.rows(self.saved_tensors))]
+        return "\n".join([*lines, "", *self.summary_lines()])
 
     def markdown(self) -> str:
         """A GitHub-flavoured Markdown table, one row per GEMM, then the summary as a list."""
@@ -370,3 +360,11 @@ class Report:
         if self.superseded:
             return "\n".join(["fp8fx report: no matmul in the graphs in use", *self.summary_lines()])
         return "fp8fx report: no matmul compiled yet (run the compiled model once)"
+
+
+def _fixed_width(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    """Lines of a fixed-width table, a rule under the header; the last column is left unpadded."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in [header, *rows]]
+    return [lines[0], "-" * min(160, max(len(line) for line in lines)), *lines[1:]]
+
