@@ -200,7 +200,7 @@ def fp8fx_llama(recipe: str, args, **options):
     policy = fp8fx.Policy.from_recipe(recipe)
     if policy.uses_delayed_scaling:
         fp8fx.prepare(model)
-    options.setdefault("saved_activations", getattr(args, "saved_activations", None))
+    options.setdefault("saved_activations", args.saved_activations)
     return model, ids, fp8fx.backend(policy=policy, inner="inductor", cublas_devices=cublas_devices(args), **options)
 
 

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 @pytest.fixture
 def tiny_cublas_args():
     args = {"layers": 1, "hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 512, "seq": 16, "batch": 2,
-            "device": "cpu", "kernels": "auto", "cublas": True, "scheduler": "cpp"}  # fmt: skip
+            "device": "cpu", "kernels": "auto", "cublas": True, "scheduler": "cpp", "saved_activations": None}  # fmt: skip
     with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
         yield argparse.Namespace(**args)
 
