@@ -73,6 +73,8 @@ def block_amax(x: Tensor, block: Block) -> Tensor:
     b0, b1 = block_dims(x.shape, block)
     n0, n1 = math.ceil(rows / b0), math.ceil(cols / b1)
     x = x.detach().abs()
+    if (b0, b1) == (1, cols) or (b0, b1) == (rows, 1):  # rowwise, per column: one reduction along a dim
+        return x.amax(dim=-1 if b0 == 1 else -2, keepdim=True).to(torch.float32)
     if n0 * b0 != rows or n1 * b1 != cols:  # zeros never raise an amax: pad partial blocks
         x = torch.nn.functional.pad(x, (0, n1 * b1 - cols, 0, n0 * b0 - rows))
     return x.reshape(*x.shape[:-2], n0, b0, n1, b1).amax(dim=(-3, -1)).to(torch.float32)
@@ -145,14 +147,19 @@ def amax_to_scale(
         return mx_scale(amax, fp8_max, rounding)
     # In fp64, then rounded once to fp32: the same scale in eager and compiled code (and torchao's).
     amax = amax.to(torch.float64)
-    usable = torch.isfinite(amax) & (amax > 0)
-    safe_amax = torch.where(usable, amax, torch.ones_like(amax))
+    # Finite and positive: NaN fails both comparisons, inf the second. (Fewer ops than isfinite's
+    # three: Inductor lowers and generates code for each op of every scale of a graph.)
+    usable = (amax > 0) & (amax < math.inf)
     # Tiny amax would give an inf scale, a huge one (with a margin) a zero or subnormal scale whose
-    # inverse is inf: clamp to the finite normal fp32 range.
-    scale = (fp8_max / (2.0**margin) / safe_amax).to(torch.float32).clamp(min=_FP32_TINY, max=_FP32_MAX)
+    # inverse is inf: clamp to the finite normal fp32 range. An unusable amax gives inf or NaN
+    # here, which the `where` below replaces.
+    top = fp8_max / (2.0**margin)
+    # (The floor binds only with a margin: without one, fp32's largest amax still gives a normal scale.)
+    floor = _FP32_TINY if top / _FP32_MAX < _FP32_TINY else None
+    scale = (top / amax).to(torch.float32).clamp(min=floor, max=_FP32_MAX)
     if power_of_two:  # drop the mantissa bits (as the kernels do): log2/exp2 would round 2**128 - eps up to inf
         scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
-    return torch.where(usable, scale, torch.ones_like(scale))
+    return torch.where(usable, scale, 1.0)
 
 
 NVFP4_E4M3_MAX = 448.0  # the block scales' format (E4M3)

@@ -290,5 +290,10 @@ def decompose_nodes(graph: fx.Graph, decompositions: dict, also: dict | None = N
                 graph.erase_node(user)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
+        # What the decomposition computes that nothing reads (a GEMM's empty aux and amax outputs):
+        # Inductor would lower each one.
+        for new in reversed([n for n in graph.nodes if n not in before]):
+            if new.op == "call_function" and not new.users and not new.is_impure():
+                graph.erase_node(new)
         replaced += 1
     return replaced
