@@ -55,7 +55,7 @@ def _amax(x: Tensor, block: list[int]) -> Tensor:
 
 def _state_amax(x: Tensor, block: list[int]) -> Tensor:
     """A delayed cast's amax, which only its state update reads: the amaxes of x's rows (in memory
-    order), whose max `fp8fx::delayed_scale_step` takes (the same value: a max is exact). Inductor fuses
+    order), whose max `fp8fx::delayed_scale_steps` takes (the same value: a max is exact). Inductor fuses
     a reduction per row into a producer that reduces rows (a norm, its backward) as into the cast's
     kernel; one whole-tensor reduction has another shape, and read the tensor again after such a producer."""
     order = None if x.is_contiguous() else _memory_order(x)
@@ -65,7 +65,7 @@ def _state_amax(x: Tensor, block: list[int]) -> Tensor:
 def _is_state_amax(node: fx.Node) -> bool:
     """Whether `node` is a tensorwise `fp8fx::amax` of a tensor of 2 or more dims whose only readers
     are delayed-scaling state updates (not an all-reduce, which needs one shape on every rank)."""
-    step = fp8fx_ops.delayed_scale_step.default
+    step = fp8fx_ops.delayed_scale_steps.default
     x = node.args[0].meta["val"]
     return (
         node.target is fp8fx_ops.amax.default

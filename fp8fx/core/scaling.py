@@ -73,8 +73,10 @@ def block_amax(x: Tensor, block: Block) -> Tensor:
     b0, b1 = block_dims(x.shape, block)
     n0, n1 = math.ceil(rows / b0), math.ceil(cols / b1)
     x = x.detach().abs()
-    if (b0, b1) == (1, cols) or (b0, b1) == (rows, 1):  # rowwise, per column: one reduction along a dim
-        return x.amax(dim=-1 if b0 == 1 else -2, keepdim=True).to(torch.float32)
+    if (b0, b1) == (1, cols):  # rowwise: one reduction along the rows
+        return x.amax(dim=-1, keepdim=True).to(torch.float32)
+    if (b0, b1) == (rows, 1):  # per column
+        return x.amax(dim=-2, keepdim=True).to(torch.float32)
     if n0 * b0 != rows or n1 * b1 != cols:  # zeros never raise an amax: pad partial blocks
         x = torch.nn.functional.pad(x, (0, n1 * b1 - cols, 0, n0 * b0 - rows))
     return x.reshape(*x.shape[:-2], n0, b0, n1, b1).amax(dim=(-3, -1)).to(torch.float32)

@@ -1,4 +1,4 @@
-"""`fp8fx::delayed_scale` and `fp8fx::delayed_scale_step`: how compiled graphs read and update
+"""`fp8fx::delayed_scale` and `fp8fx::delayed_scale_steps`: how compiled graphs read and update
 delayed-scaling state, and the registry of the module instances that hold it.
 
 A graph that uses delayed scaling takes one extra input, a handle: a one-element int64 CPU tensor
@@ -9,14 +9,15 @@ it uses: the backend learns the keys from its own rewrite (or from cached record
 tracing the graph once more before compiling it, and one graph serves every instance of a block.
 
     fp8fx::delayed_scale(Tensor handle, str key, Device device) -> Tensor
-    fp8fx::delayed_scale_step(Tensor(a!) handle, str key, Tensor amax, float fp8_max, int margin,
-                              bool power_of_two, bool most_recent, int interval) -> Tensor
+    fp8fx::delayed_scale_steps(Tensor(a!) handle, str keys, Tensor[] amaxes, float[] fp8_max,
+                               int[] margin, bool[] power_of_two, bool[] most_recent, int[] interval) -> Tensor
 
-`delayed_scale` returns a copy of the scale in use. `delayed_scale_step` records this step's amax
-(the max of `amax`: partial amaxes, per row, under Inductor) and updates the state in place
-(`delayed_scale_update`'s formula). It declares that it writes the
-handle, which it does not: that orders it after every read of the handle in the graph (Inductor
-schedules a write after the reads before it) and keeps it through dead-code elimination.
+`delayed_scale` returns a copy of the scale in use. `delayed_scale_steps` records this step's
+amaxes (each the max of its entry: partial amaxes, per row, under Inductor) and updates the
+states in place (`delayed_scale_update`'s formula), a graph's states (of one side, forward or
+backward) in one call. It declares that it writes the handle, which it does not: that orders it
+after every read of the handle in the graph (Inductor schedules a write after the reads before it)
+and keeps it through dead-code elimination.
 """
 
 from __future__ import annotations
@@ -58,31 +59,46 @@ def _(handle: Tensor, key: str, device: torch.device) -> Tensor:
     return torch.empty((), device=device)
 
 
-@custom_op("fp8fx::delayed_scale_step", mutates_args=("handle",))
-def delayed_scale_step(
+_STATE_TENSORS = ("amax_history", "scale", "steps", "non_finite")  # what a step updates, in `delayed_scale_update`'s order
+
+
+@custom_op("fp8fx::delayed_scale_steps", mutates_args=("handle",))
+def delayed_scale_steps(
     handle: Tensor,
-    key: str,
-    amax: Tensor,
-    fp8_max: float,
-    margin: int,
-    power_of_two: bool,
-    most_recent: bool,
-    interval: int,
+    keys: str,
+    amaxes: list[Tensor],
+    fp8_max: list[float],
+    margin: list[int],
+    power_of_two: list[bool],
+    most_recent: list[bool],
+    interval: list[int],
 ) -> Tensor:
-    """One step of state `key`, in place; returns a copy of the new scale (a value the graph keeps,
-    so that partitioning keeps the op). `amax` may hold partial amaxes (Inductor's graphs pass the
-    amax of each row, `fp8fx.compiler.lowering._state_amax`): their max is this step's amax."""
-    state = _state(handle, key)
-    amax = amax.amax()
-    tensors = (state.amax_history, state.scale, state.steps, state.non_finite)
-    updated = reference.delayed_scale_update(
-        *tensors, amax.to(state.scale.device), fp8_max, margin, power_of_two, most_recent, interval
-    )
-    for tensor, value in zip(tensors, updated):
-        tensor.copy_(value)
-    return updated[1].to(amax.device, copy=True)
+    """One step of each state in `keys` (one key a line: a custom op takes no list of strings), in
+    place, with the settings at its index; returns a copy of the new scales, in `keys`' order (a
+    value the graph keeps, so that partitioning keeps the op).
+    Each `amaxes` entry may hold partial amaxes (Inductor's graphs pass the amax of each row,
+    `fp8fx.compiler.lowering._state_amax`): their max is that state's amax.
+
+    States with the same settings and history length step together: stacked, updated by one
+    batched `delayed_scale_update` and copied back, about 20 tensor ops (a GPU's kernels) for the
+    group where each state alone took as many."""
+    states = [_state(handle, key) for key in keys.split("\n")]
+    settings = list(zip(fp8_max, margin, power_of_two, most_recent, interval))
+    groups: dict[tuple, list[int]] = {}
+    for i, state in enumerate(states):
+        groups.setdefault((settings[i], state.amax_history.shape, state.scale.device), []).append(i)
+    new_scales = [None] * len(states)
+    for (setting, _, device), members in groups.items():
+        kept = [[getattr(states[i], name) for i in members] for name in _STATE_TENSORS]
+        amax = torch.stack([amaxes[i].amax() for i in members]).to(device)
+        updated = reference.delayed_scale_update(*(torch.stack(tensors) for tensors in kept), amax, *setting)
+        for tensors, value in zip(kept, updated):
+            torch._foreach_copy_(tensors, list(value.unbind(0)))
+        for i, scale in zip(members, updated[1].unbind(0)):
+            new_scales[i] = scale
+    return torch.stack(new_scales).to(amaxes[0].device)
 
 
-@delayed_scale_step.register_fake
-def _(handle, key, amax, fp8_max, margin, power_of_two, most_recent, interval):
-    return torch.empty((), device=amax.device)
+@delayed_scale_steps.register_fake
+def _(handle, keys, amaxes, fp8_max, margin, power_of_two, most_recent, interval):
+    return torch.empty((len(amaxes),), device=amaxes[0].device)

@@ -155,18 +155,22 @@ def delayed_scale_update(
     This step's amax goes into slot 0 of the history; the scale is recomputed from the history's
     max (or from this amax, `most_recent`) every `interval` steps; a zero or non-finite amax keeps
     the previous scale (TE: `sf = where(amax > 0, sf, scale); sf = where(isfinite(amax), sf, scale)`)
-    and is recorded as 0; then the history rolls by one and slot 0 is cleared for the next step."""
+    and is recorded as 0; then the history rolls by one and slot 0 is cleared for the next step.
+
+    Batched too: histories [..., history_len] with amax, scale, steps and non_finite [...], one
+    state per index (`fp8fx::delayed_scale_steps` steps a graph's states at once)."""
     # A non-finite amax is counted, never recorded: one NaN step would otherwise poison the
     # history's max for its whole length (TransformerEngine's reduction skips it too).
-    recorded = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
-    history = torch.cat([recorded.reshape(1).to(amax_history.dtype), amax_history[1:]])
-    chosen = history[0] if most_recent else history.max()
+    finite = torch.isfinite(amax)
+    recorded = torch.where(finite, amax, torch.zeros_like(amax))
+    history = torch.cat([recorded.unsqueeze(-1).to(amax_history.dtype), amax_history[..., 1:]], dim=-1)
+    chosen = history[..., 0] if most_recent else history.amax(dim=-1)
     candidate = scaling.amax_to_scale(chosen, fp8_max, margin, power_of_two)
-    usable = torch.isfinite(amax) & torch.isfinite(chosen) & (chosen > 0) & (steps % interval == 0)
+    usable = finite & torch.isfinite(chosen) & (chosen > 0) & (steps % interval == 0)
     new_scale = torch.where(usable, candidate, scale)
-    rolled = torch.roll(history, -1)
-    new_history = torch.cat([torch.zeros_like(rolled[:1]), rolled[1:]])
-    return new_history, new_scale, steps + 1, non_finite + (~torch.isfinite(amax)).to(non_finite.dtype)
+    rolled = torch.roll(history, -1, dims=-1)
+    new_history = torch.cat([torch.zeros_like(rolled[..., :1]), rolled[..., 1:]], dim=-1)
+    return new_history, new_scale, steps + 1, non_finite + (~finite).to(non_finite.dtype)
 
 
 def fp8_gemm(g: Fp8GemmArgs) -> tuple[Tensor, Tensor, Tensor]:

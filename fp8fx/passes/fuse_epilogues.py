@@ -29,7 +29,16 @@ from fp8fx.ops import gemm_bench
 from fp8fx.ops.args import Fp8GemmArgs, ScaledMmArgs, gemm_args
 from fp8fx.passes.annotation import Fusion, annotate, annotation, update_fusion
 from fp8fx.passes.graph_utils import (
-    DTYPE_CASTS, PassContext, PassResult, add_node, copy_meta, fake_mode_of, k_contiguous, op_args, strip_layout
+    DTYPE_CASTS,
+    PassContext,
+    PassResult,
+    add_node,
+    copy_meta,
+    fake_mode_of,
+    is_backward,
+    k_contiguous,
+    op_args,
+    strip_layout,
 )
 
 aten = torch.ops.aten
@@ -105,14 +114,10 @@ def _activation_name(node: fx.Node) -> str | None:
     return activation_of(node.target, node.kwargs) if node.op == "call_function" else None
 
 
-def _is_backward(node: fx.Node) -> bool:
-    return node.meta.get("partitioner_tag") == "is_backward" or bool(node.meta.get("autograd_backward"))
-
-
 def _used_by_backward(node: fx.Node) -> bool:
     """Whether a backward node reads `node` (directly or through reshapes)."""
     for user in node.users:
-        if _is_backward(user):
+        if is_backward(user):
             return True
         if user.target in RESHAPES and _used_by_backward(user):
             return True
@@ -234,7 +239,7 @@ class _Fuser:
             # also reads the result it saves both (unfused: one, the activation recomputed), and
             # aux outputs of backward GEMMs also raised the saved bytes (docs/results.md,
             # "Benchmarks (CPU)", bench/saved_memory.py). Those chains end before the aux value instead.
-            if _is_backward(gemm) or _used_by_backward(final):
+            if is_backward(gemm) or _used_by_backward(final):
                 return _could_not_join(gemm, final)
             # Nothing but widening casts after the aux value: the kernel would write the value twice,
             # narrow and wide (bf16 logits and their fp32 copy: 6 bytes an element), and the wide

@@ -159,6 +159,11 @@ def fake_mode_of(graph: fx.Graph):
     return mode
 
 
+def is_backward(node: fx.Node) -> bool:
+    """Whether a joint graph's `node` computes backward (AOTAutograd's tags)."""
+    return node.meta.get("partitioner_tag") == "is_backward" or bool(node.meta.get("autograd_backward"))
+
+
 def node_values(arg: Any) -> Any:
     """`arg` with every node replaced by its fake value (`meta["val"]`), through lists, tuples and dicts."""
     if isinstance(arg, fx.Node):

@@ -3,8 +3,9 @@
 For each FP8 GEMM, each operand gets `fp8fx::amax -> fp8fx::amax_to_scale -> fp8fx::cast` (and
 `fp8fx::scale_inverse`), and the GEMM becomes `fp8fx::scaled_mm`. With delayed scaling the cast
 takes the state's scale from `fp8fx::delayed_scale` at the graph's start, and
-`fp8fx::delayed_scale_step`, at its end, records the amax and updates the state in place (both
-find the state through the graph's handle input, `fp8fx.ops.delayed`). Casts are made on the operand's
+`fp8fx::delayed_scale_steps`, at its end, records the amaxes and updates the states in place, one
+call for forward's casts and one for backward's (both ops find the states through the graph's
+handle input, `fp8fx.ops.delayed`). Casts are made on the operand's
 root tensor (before transposes, views and dtype casts) and cached per (root, format), so the
 weight's E4M3 copy serves both output and grad_input, and the input's E4M3 copy serves output and
 grad_weight: after partitioning, backward consumes the FP8 tensors forward made.
@@ -39,6 +40,7 @@ from fp8fx.passes.graph_utils import (
     add_node,
     copy_meta,
     fake_mode_of,
+    is_backward,
     node_values,
     op_args,
     strip_layout,
@@ -98,6 +100,8 @@ class _Inserter:
         self.output = next(n for n in reversed(graph.nodes) if n.op == "output")
         self.cache: dict[tuple, Quantized] = {}
         self.views: dict[tuple, fx.Node] = {}  # high-precision operand views rebuilt from their root
+        # Delayed scaling: the state updates forward's casts (False) and backward's (True) make.
+        self.updates: dict[bool, list[tuple[tuple, fx.Node]]] = {}
         # weight_fp8="recompute": the weights (parameter inputs), whose casts backward makes again.
         self.weights: set[fx.Node] = set()
         if ctx.options.weight_fp8 == "recompute":
@@ -142,8 +146,7 @@ class _Inserter:
             fp8 = self.add(fp8fx_ops.cast.default, (x, scale, fmt.dtype, block), tag_from=tag_from)
             scale_inv = self.add(fp8fx_ops.scale_inverse.default, (scale,), tag_from=tag_from)
         if update:
-            with self.graph.inserting_before(self.output):  # after every read of the state's old values
-                self.add(fp8fx_ops.delayed_scale_step.default, update_args, tag_from=tag_from)
+            self.updates.setdefault(is_backward(tag_from), []).append((update_args, tag_from))
         if x in self.weights:  # backward casts the weight again, with the scale forward saved (a
             # scalar or a few, where an amax again reads the weight), and the scale's inverse forward
             # saved: computed again in backward it was a kernel of its own there (a GPU launch).
@@ -151,6 +154,16 @@ class _Inserter:
         q = Quantized(fp8, scale_inv, state_key if spec.delayed is not None else None)
         self.cache[(x, spec)] = q
         return q
+
+    def step_states(self) -> None:
+        """One `fp8fx::delayed_scale_steps` per side (forward, backward) for the updates its casts
+        made, at the graph's end: after every read of the states' old values."""
+        for updates in self.updates.values():
+            handle = updates[0][0][0]
+            keys, *columns = zip(*(args[1:] for args, _ in updates))  # keys, amaxes, fp8_max, margin, ...
+            args = (handle, "\n".join(keys), *map(list, columns))
+            with self.graph.inserting_before(self.output):
+                self.add(fp8fx_ops.delayed_scale_steps.default, args, tag_from=updates[0][1])
 
     def read_scale(self, key: str, device: torch.device) -> fx.Node:
         """The scale state `key` holds, read at the graph's start: before any GEMM whose fused
@@ -394,6 +407,7 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             inserter.rewrite_grouped(gemm)
         else:
             inserter.rewrite(gemm)
+    inserter.step_states()
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return PassResult(gm, modified=True)

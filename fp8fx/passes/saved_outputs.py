@@ -20,8 +20,8 @@ import torch
 from torch import fx
 
 from fp8fx.passes.annotation import annotation, fp8_gemm_nodes
-from fp8fx.passes.fuse_epilogues import RESHAPES, _is_backward
-from fp8fx.passes.graph_utils import PassContext, PassResult, add_node, fake_mode_of
+from fp8fx.passes.fuse_epilogues import RESHAPES
+from fp8fx.passes.graph_utils import PassContext, PassResult, add_node, fake_mode_of, is_backward
 
 _CONVERT = torch.ops.prims.convert_element_type.default
 
@@ -37,7 +37,7 @@ def _outputs(gemm: fx.Node) -> list[fx.Node]:
     while todo:
         node = todo.pop()
         found.append(node)
-        todo += [u for u in node.users if u.target in RESHAPES and not _is_backward(u)]
+        todo += [u for u in node.users if u.target in RESHAPES and not is_backward(u)]
     return found
 
 
@@ -62,7 +62,7 @@ def saved_outputs(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     graph, fake_mode = gm.graph, fake_mode_of(gm.graph)
     wide: dict[fx.Node, fx.Node] = {}  # forward value -> what backward reads instead
     for gemm in fp8_gemm_nodes(graph):
-        if _is_backward(gemm) or annotation(gemm).role != "output":
+        if is_backward(gemm) or annotation(gemm).role != "output":
             continue
         for value in _outputs(gemm):
             val = value.meta.get("val")
@@ -79,7 +79,7 @@ def saved_outputs(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     # backward from the widened copies, so that nothing fp32 of the chain stays alive: backward
     # reads replicas of them (those it does not read are erased below).
     for node in list(graph.nodes):
-        if node in wide or _is_backward(node) or not (_pointwise(node) or node.target in RESHAPES):
+        if node in wide or is_backward(node) or not (_pointwise(node) or node.target in RESHAPES):
             continue
         inputs = node.all_input_nodes
         size = node.meta["val"].numel() if isinstance(node.meta.get("val"), torch.Tensor) else 0
@@ -91,7 +91,7 @@ def saved_outputs(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     modified = False
     for value, replacement in wide.items():
         for user in list(value.users):
-            if _is_backward(user) and user is not replacement:
+            if is_backward(user) and user is not replacement:
                 user.replace_input_with(value, replacement)
                 modified = True
     for value, replacement in reversed(list(wide.items())):  # copies no backward reads go, replicas first

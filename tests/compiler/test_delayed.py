@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -195,11 +196,16 @@ def _delayed_training(inner: str):
 
 
 def test_inductor_updates_the_states_in_place_as_eager_does():
-    """One in-place `delayed_scale_step` per cast, no `copy_` back into the graph's inputs, and
-    Inductor's compiled graphs leave the states bit for bit where the eager graphs do."""
+    """One in-place `delayed_scale_steps` per graph (forward's casts, backward's) stepping each
+    cast's state once, no `copy_` back into the graph's inputs, and Inductor's compiled graphs
+    leave the states bit for bit where the eager graphs do."""
     states, grads, graphs = _delayed_training("eager")
-    nodes = [n.target for gm in graphs for n in gm.graph.nodes]
-    assert nodes.count(torch.ops.fp8fx.delayed_scale_step.default) == len(states) == 6
+    nodes = [n for gm in graphs for n in gm.graph.nodes]
+    steps = [n for n in nodes if n.target == torch.ops.fp8fx.delayed_scale_steps.default]
+    assert len(steps) == len(graphs) == 2
+    keys = [key for n in steps for key in n.args[1].split("\n")]
+    assert len(keys) == len(set(keys)) == len(states) == 6
+    nodes = [n.target for n in nodes]
     assert torch.ops.aten.copy_.default not in nodes
     inductor_states, inductor_grads, _ = _delayed_training("inductor")
     assert inductor_states.keys() == states.keys()
@@ -231,13 +237,13 @@ def test_one_trace_per_graph_and_one_handle_input(inner):
         (_, forward), (_, backward) = backend.kept_graphs
         inputs = [n for n in forward.graph.nodes if n.op == "placeholder"]
         assert len(inputs) == 6 and inputs[-1].meta["val"].dtype == torch.int64  # 2 weights, 2 biases, x, handle
-        read, step = torch.ops.fp8fx.delayed_scale.default, torch.ops.fp8fx.delayed_scale_step.default
+        read, step = torch.ops.fp8fx.delayed_scale.default, torch.ops.fp8fx.delayed_scale_steps.default
         reads = [n for n in forward.graph.nodes if n.target == read]
         assert len(reads) == 4 and all(r.args[0] is inputs[-1] for r in reads)  # x, w0, x1, w1
         assert next(n for n in forward.graph.nodes if n.op != "placeholder") is reads[0]
         # Backward reads its gradients' states itself (the handle is saved), before it steps them.
         order = [n.target for n in backward.graph.nodes if n.target in (read, step)]
-        assert order == [read] * 2 + [step] * 2
+        assert order == [read] * 2 + [step]
 
 
 class _Block(nn.Module):
@@ -328,3 +334,73 @@ def test_evaluation_reads_the_scales_and_updates_them_only_when_calibrating(inne
 def test_calibrate_needs_delayed_scaling():
     with pytest.raises(fp8fx.PolicyError, match=r"calibrate: true needs delayed scaling"):
         Policy.from_recipe("tensorwise", calibrate=True)
+
+
+class _States:
+    """A delayed-scaling instance (`fp8fx.ops.delayed.register`) holding plain states by key."""
+
+    def __init__(self, specs: dict[str, int]):
+        self.states = {
+            key: SimpleNamespace(
+                amax_history=torch.zeros(length),
+                scale=torch.ones(()),
+                steps=torch.zeros((), dtype=torch.int64),
+                non_finite=torch.zeros((), dtype=torch.int64),
+            )
+            for key, length in specs.items()
+        }
+
+    def state(self, key):
+        return self.states[key]
+
+
+def test_batched_steps_match_one_state_at_a_time_in_a_fixed_number_of_ops():
+    """`delayed_scale_steps` on states of mixed settings and history lengths (generated), with
+    partial amaxes holding zeros, infs and NaNs, leaves every state bit for bit where
+    `delayed_scale_update` one state at a time does; and its tensor ops (a GPU's kernels) grow with
+    the states by one reduction of each state's amax, not by a whole update each."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fp8fx.ops import delayed
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(0)
+    settings = list(itertools.product([448.0, 57344.0], [0, 2], [False, True], [False, True], [1, 3], [1, 4]))
+    ops_per_call = []
+    for n_states in (len(settings), 2 * len(settings)):
+        chosen = [settings[i % len(settings)] for i in range(n_states)]
+        keys = [f"layer{i}.output.input" for i in range(n_states)]
+        batched, single = _States(dict(zip(keys, (s[-1] for s in chosen)))), _States(dict(zip(keys, (s[-1] for s in chosen))))
+        handle = delayed.register(batched)
+        for _ in range(6):
+            amaxes = []
+            for _ in keys:
+                rows = torch.rand(int(torch.randint(1, 5, (), generator=gen)), generator=gen) * 2.0 ** int(torch.randint(-20, 20, (), generator=gen))
+                pick = torch.rand(rows.shape, generator=gen)
+                rows = torch.where(pick < 0.1, torch.tensor(float("nan")), torch.where(pick < 0.2, torch.tensor(float("inf")), rows))
+                amaxes.append(torch.where(pick > 0.9, torch.zeros(()), rows))
+            columns = [list(c) for c in zip(*(s[:-1] for s in chosen))]
+            torch.ops.fp8fx.delayed_scale_steps(handle, "\n".join(keys), amaxes, *columns)
+            for key, amax, setting in zip(keys, amaxes, chosen):
+                s = single.state(key)
+                updated = ops.delayed_scale_update(s.amax_history, s.scale, s.steps, s.non_finite, amax.amax(), *setting[:-1])
+                s.amax_history, s.scale, s.steps, s.non_finite = updated
+                b = batched.state(key)
+                for got, want in zip((b.amax_history, b.scale, b.steps, b.non_finite), updated):
+                    assert torch.equal(got, want), key
+        counter = CountOps()
+        with counter:  # the op's body, whose tensor ops the mode sees one by one
+            delayed.delayed_scale_steps._init_fn(handle, "\n".join(keys), amaxes, *columns)
+        ops_per_call.append(counter.ops)
+    # Each setting is a group of its own; doubling the states adds to each group one state, whose
+    # amax is reduced and whose handle is read (a CPU tensor's element: two ops).
+    assert ops_per_call[1] - ops_per_call[0] <= 3 * len(settings)
+    assert ops_per_call[0] <= 70 * len(settings)  # a group's update, stacks and copies back

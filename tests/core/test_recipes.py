@@ -177,6 +177,24 @@ def test_block_amax_handles_partial_blocks():
     assert amax.tolist() == [[2.0, 0.0], [0.0, 0.0], [0.0, 5.0]]
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (1, 64), (64, 1), (3, 5), (33, 130), (2, 1, 7)])
+@pytest.mark.parametrize("block", [(1, 0), (0, 1), (1, 128), (128, 1), (128, 128), (2, 3), (0, 0)])
+def test_block_amax_is_each_blocks_largest_magnitude(shape, block):
+    """Every block form on shapes with a dimension of 1 (where rowwise and per-column blocks are
+    both whole and single), ragged edges and a batch dim, against a loop over the blocks."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3
+    got = block_amax(x, block)
+    rows, cols = shape[-2:]
+    b0, b1 = block[0] or rows, block[1] or cols
+    want = torch.stack(
+        [
+            torch.tensor([[m[i : i + b0, j : j + b1].abs().max() for j in range(0, cols, b1)] for i in range(0, rows, b0)])
+            for m in x.reshape(-1, rows, cols)
+        ]
+    ).reshape(*shape[:-2], -(-rows // b0), -(-cols // b1))
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
 # ---------------------------------------------------------------- training under every recipe
 
 
