@@ -1,4 +1,4 @@
-"""`fp8fx::delayed_scale` and `fp8fx::delayed_scale_steps`: how compiled graphs read and update
+"""`fp8fx::delayed_scales` and `fp8fx::delayed_scale_steps`: how compiled graphs read and update
 delayed-scaling state, and the registry of the module instances that hold it.
 
 A graph that uses delayed scaling takes one extra input, a handle: a one-element int64 CPU tensor
@@ -8,16 +8,17 @@ ops find a state by (handle, key) when they run, so a graph's inputs do not depe
 it uses: the backend learns the keys from its own rewrite (or from cached records) instead of
 tracing the graph once more before compiling it, and one graph serves every instance of a block.
 
-    fp8fx::delayed_scale(Tensor handle, str key, Device device) -> Tensor
+    fp8fx::delayed_scales(Tensor handle, str keys, Device device) -> Tensor[]
     fp8fx::delayed_scale_steps(Tensor(a!) handle, str keys, Tensor[] amaxes, float[] fp8_max,
                                int[] margin, bool[] power_of_two, bool[] most_recent, int[] interval) -> Tensor
 
-`delayed_scale` returns a copy of the scale in use. `delayed_scale_steps` records this step's
-amaxes (each the max of its entry: partial amaxes, per row, under Inductor) and updates the
-states in place (`delayed_scale_update`'s formula), a graph's states (of one side, forward or
-backward) in one call. It declares that it writes the handle, which it does not: that orders it
-after every read of the handle in the graph (Inductor schedules a write after the reads before it)
-and keeps it through dead-code elimination.
+`delayed_scales` returns copies of the scales in use and their inverses. `delayed_scale_steps`
+records this step's amaxes (each the max of its entry: partial amaxes, per row, under Inductor)
+and updates the states in place (`delayed_scale_update`'s formula). A graph calls each once per
+side (forward's casts, backward's) with all the states that side uses, one key a line (a custom
+op takes no list of strings). `delayed_scale_steps` declares that it writes the handle, which it
+does not: that orders it after every read of the handle in the graph (Inductor schedules a write
+after the reads before it) and keeps it through dead-code elimination.
 """
 
 from __future__ import annotations
@@ -48,15 +49,21 @@ def _state(handle: Tensor, key: str):
     return instance.state(key)
 
 
-@custom_op("fp8fx::delayed_scale", mutates_args=())
-def delayed_scale(handle: Tensor, key: str, device: torch.device) -> Tensor:
-    """The scale state `key` casts with this step (a copy: the state moves on at the graph's end)."""
-    return _state(handle, key).scale.to(device, copy=True)
+@custom_op("fp8fx::delayed_scales", mutates_args=())
+def delayed_scales(handle: Tensor, keys: str, device: torch.device) -> list[Tensor]:
+    """The scale each state in `keys` (one key a line) casts with this step, and its inverse,
+    interleaved: [scale 0, inverse 0, scale 1, ...], each a 0-d tensor of its own (a view of one
+    stacked tensor would reach Inductor's `_scaled_mm` lowering as a view, which it cannot
+    reshape), copies (the states move on at the graph's end). Two multi-tensor kernels on a GPU
+    however many states a graph reads."""
+    scales = [torch.empty((), device=device) for _ in keys.split("\n")]
+    torch._foreach_copy_(scales, [_state(handle, key).scale for key in keys.split("\n")])
+    return [value for pair in zip(scales, torch._foreach_reciprocal(scales)) for value in pair]
 
 
-@delayed_scale.register_fake
-def _(handle: Tensor, key: str, device: torch.device) -> Tensor:
-    return torch.empty((), device=device)
+@delayed_scales.register_fake
+def _(handle: Tensor, keys: str, device: torch.device) -> list[Tensor]:
+    return [torch.empty((), device=device) for _ in range(2 * len(keys.split("\n")))]
 
 
 _STATE_TENSORS = ("amax_history", "scale", "steps", "non_finite")  # what a step updates, in `delayed_scale_update`'s order
@@ -73,15 +80,15 @@ def delayed_scale_steps(
     most_recent: list[bool],
     interval: list[int],
 ) -> Tensor:
-    """One step of each state in `keys` (one key a line: a custom op takes no list of strings), in
-    place, with the settings at its index; returns a copy of the new scales, in `keys`' order (a
-    value the graph keeps, so that partitioning keeps the op).
-    Each `amaxes` entry may hold partial amaxes (Inductor's graphs pass the amax of each row,
-    `fp8fx.compiler.lowering._state_amax`): their max is that state's amax.
+    """One step of each state in `keys` (one key a line), in place, with the settings at its
+    index; returns a copy of the new scales, in `keys`' order (a value the graph keeps, so that
+    partitioning keeps the op). Each `amaxes` entry may hold partial amaxes (Inductor's graphs
+    pass the amax of each row, `fp8fx.compiler.lowering._state_amax`): their max is that state's
+    amax.
 
     States with the same settings and history length step together: stacked, updated by one
-    batched `delayed_scale_update` and copied back, about 20 tensor ops (a GPU's kernels) for the
-    group where each state alone took as many."""
+    batched `delayed_scale_update` and copied back, about 60 tensor ops (a GPU's kernels, some of
+    them views) for the group where each state alone took as many, plus one reduction per state."""
     states = [_state(handle, key) for key in keys.split("\n")]
     settings = list(zip(fp8_max, margin, power_of_two, most_recent, interval))
     groups: dict[tuple, list[int]] = {}

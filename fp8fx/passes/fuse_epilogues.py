@@ -38,6 +38,7 @@ from fp8fx.passes.graph_utils import (
     is_backward,
     k_contiguous,
     op_args,
+    reads_state,
     strip_layout,
 )
 
@@ -266,9 +267,7 @@ class _Fuser:
         casts = [
             u
             for u in final.users
-            if u.target == fp8fx_ops.cast.default
-            and list(op_args(u)["block"]) == []
-            and op_args(u)["scale"].target == fp8fx_ops.delayed_scale.default
+            if u.target == fp8fx_ops.cast.default and list(op_args(u)["block"]) == [] and reads_state(op_args(u)["scale"])
         ]
         inputs["fp8_cast"] = casts[0] if len(casts) == 1 and set(final.users) == {*casts, *amax_users} else None
         return ep, inputs, final, aux_node, amax_users, absorbed

@@ -77,7 +77,7 @@ class Taps:
 
 @dataclass(frozen=True)
 class DelayedInputs:
-    """Delayed scaling's graph input: the handle `fp8fx::delayed_scale` and `delayed_scale_step`
+    """Delayed scaling's graph input: the handle `fp8fx::delayed_scales` and `delayed_scale_steps`
     find the states by (`fp8fx.ops.delayed`), and the process group (name) each amax is reduced
     over (None: one process)."""
 
@@ -157,6 +157,12 @@ def fake_mode_of(graph: fx.Graph):
     if mode is None:
         raise RuntimeError("fp8fx: graph placeholders carry no fake tensors (meta['val']); cannot rewrite")
     return mode
+
+
+def reads_state(node: fx.Node) -> bool:
+    """Whether `node` is a delayed-scaling state's scale (or its inverse) as a graph reads it: an
+    element of `fp8fx::delayed_scales`' values (`insert_casts`)."""
+    return node.target is operator.getitem and node.args[0].target is torch.ops.fp8fx.delayed_scales.default
 
 
 def is_backward(node: fx.Node) -> bool:

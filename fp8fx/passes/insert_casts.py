@@ -2,9 +2,9 @@
 
 For each FP8 GEMM, each operand gets `fp8fx::amax -> fp8fx::amax_to_scale -> fp8fx::cast` (and
 `fp8fx::scale_inverse`), and the GEMM becomes `fp8fx::scaled_mm`. With delayed scaling the cast
-takes the state's scale from `fp8fx::delayed_scale` at the graph's start, and
-`fp8fx::delayed_scale_steps`, at its end, records the amaxes and updates the states in place, one
-call for forward's casts and one for backward's (both ops find the states through the graph's
+takes the state's scale (and its inverse) from `fp8fx::delayed_scales` at the graph's start, and
+`fp8fx::delayed_scale_steps`, at its end, records the amaxes and updates the states in place: each
+op once for forward's casts and once for backward's (both find the states through the graph's
 handle input, `fp8fx.ops.delayed`). Casts are made on the operand's
 root tensor (before transposes, views and dtype casts) and cached per (root, format), so the
 weight's E4M3 copy serves both output and grad_input, and the input's E4M3 copy serves output and
@@ -43,6 +43,7 @@ from fp8fx.passes.graph_utils import (
     is_backward,
     node_values,
     op_args,
+    reads_state,
     strip_layout,
     views_key,
 )
@@ -100,8 +101,10 @@ class _Inserter:
         self.output = next(n for n in reversed(graph.nodes) if n.op == "output")
         self.cache: dict[tuple, Quantized] = {}
         self.views: dict[tuple, fx.Node] = {}  # high-precision operand views rebuilt from their root
-        # Delayed scaling: the state updates forward's casts (False) and backward's (True) make.
+        # Delayed scaling: the state updates forward's casts (False) and backward's (True) make, and
+        # the reads per (side, device): the read and the keys it reads.
         self.updates: dict[bool, list[tuple[tuple, fx.Node]]] = {}
+        self.reads: dict[tuple[bool, torch.device], tuple[fx.Node, list[str]]] = {}
         # weight_fp8="recompute": the weights (parameter inputs), whose casts backward makes again.
         self.weights: set[fx.Node] = set()
         if ctx.options.weight_fp8 == "recompute":
@@ -113,8 +116,9 @@ class _Inserter:
     def quantize(self, x: fx.Node, spec: CastSpec, gemm: fx.Node, state_key: str) -> Quantized:
         if (x, spec) in self.cache:
             return self.cache[(x, spec)]
-        # Right after the producer, so every GEMM that needs it is dominated; placeholders stay first.
-        at = next(n for n in self.graph.nodes if n.op != "placeholder") if x.op == "placeholder" else x.next
+        # Right after the producer, so every GEMM that needs it is dominated; placeholders (and the
+        # state reads after them) stay first.
+        at = self.start() if x.op == "placeholder" else x.next
         tag_from = gemm if x.op == "placeholder" else x
         fmt, block = spec.fmt, list(spec.block)
         if fmt is Fp8Format.NVFP4:
@@ -132,7 +136,7 @@ class _Inserter:
                 args = (amax, fmt.max, spec.margin, spec.power_of_two, spec.rounding)
                 scale = self.add(fp8fx_ops.amax_to_scale.default, args, tag_from=tag_from)
             else:  # delayed: cast with the scale in use, then record this amax and update the state
-                scale = self.read_scale(state_key, x.meta["val"].device)
+                scale, scale_inv = self.read_scale(state_key, x.meta["val"].device, tag_from)
                 d = spec.delayed
                 if update and delayed.amax_group is not None:  # every rank updates from the same amax
                     reduce = (amax, "max", delayed.amax_group)
@@ -143,8 +147,10 @@ class _Inserter:
             if self.ctx.taps.monitor is not None:  # the runtime monitor samples what this cast receives
                 tap_args = (scale, [x], self.ctx.taps.monitor, Monitor.tap_key(state_key, fmt, block))
                 scale = self.add(fp8fx_ops.tap.default, tap_args, tag_from=tag_from)
+                scale_inv = None  # (the inverse of the scale the tap hands on)
             fp8 = self.add(fp8fx_ops.cast.default, (x, scale, fmt.dtype, block), tag_from=tag_from)
-            scale_inv = self.add(fp8fx_ops.scale_inverse.default, (scale,), tag_from=tag_from)
+            if delayed is None or scale_inv is None:
+                scale_inv = self.add(fp8fx_ops.scale_inverse.default, (scale,), tag_from=tag_from)
         if update:
             self.updates.setdefault(is_backward(tag_from), []).append((update_args, tag_from))
         if x in self.weights:  # backward casts the weight again, with the scale forward saved (a
@@ -165,13 +171,30 @@ class _Inserter:
             with self.graph.inserting_before(self.output):
                 self.add(fp8fx_ops.delayed_scale_steps.default, args, tag_from=updates[0][1])
 
-    def read_scale(self, key: str, device: torch.device) -> fx.Node:
-        """The scale state `key` holds, read at the graph's start: before any GEMM whose fused
-        epilogue writes FP8 with it. In a joint graph the partitioner puts the reads only backward
-        needs into backward, which gets the handle."""
+    def start(self) -> fx.Node:
+        """The graph's first node that is neither an input nor a delayed-scaling read."""
+        reads = {read for read, _ in self.reads.values()}
+        return next(n for n in self.graph.nodes if n.op != "placeholder" and n not in reads and not reads_state(n))
+
+    def read_scale(self, key: str, device: torch.device, tag_from: fx.Node) -> tuple[fx.Node, fx.Node]:
+        """The scale state `key` holds and its inverse, read at the graph's start (before any GEMM
+        whose fused epilogue writes FP8 with it): two values of one `fp8fx::delayed_scales` per side
+        (forward's casts, backward's: the partitioner puts backward's into backward, which gets the
+        handle) and device, whose keys grow with each state read."""
+        side = (is_backward(tag_from), device)
         handle = self.ctx.delayed.handle
-        with self.graph.inserting_before(next(n for n in self.graph.nodes if n.op != "placeholder")):
-            return self.add(fp8fx_ops.delayed_scale.default, (handle, key, device), tag_from=handle)
+        if side not in self.reads:
+            with self.graph.inserting_before(self.start()):
+                self.reads[side] = (self.add(fp8fx_ops.delayed_scales.default, (handle, key, device), tag_from=tag_from), [key])
+        else:
+            read, keys = self.reads[side]
+            keys.append(key)
+            read.args = (handle, "\n".join(keys), device)
+            with self.fake_mode:
+                read.meta["val"] = read.target(*node_values(read.args))
+        read, keys = self.reads[side]
+        with self.graph.inserting_after(read):
+            return tuple(self.add(operator.getitem, (read, 2 * (len(keys) - 1) + i), tag_from=tag_from) for i in range(2))
 
     def quantize_nvfp4(self, x: fx.Node, spec: CastSpec, at: fx.Node, tag_from: fx.Node, key: str) -> Quantized:
         """NVFP4: block amaxes -> the two-level scales (and their inverses) -> the E2M1 cast."""

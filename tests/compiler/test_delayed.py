@@ -137,7 +137,9 @@ def test_delayed_scaling_without_prepare_is_a_clear_error():
 
 def test_checkpoint_with_another_history_length_is_a_clear_error():
     model = fp8fx.prepare(nn.Linear(16, 16))
-    torch.compile(model, backend=fp8fx.backend(Policy.from_recipe("delayed", amax_history_len=4), inner="eager"))(torch.randn(4, 16))
+    torch.compile(model, backend=fp8fx.backend(Policy.from_recipe("delayed", amax_history_len=4), inner="eager"))(
+        torch.randn(4, 16)
+    )
     ckpt = model.state_dict()
     torch._dynamo.reset()
     other = fp8fx.prepare(nn.Linear(16, 16))
@@ -237,13 +239,13 @@ def test_one_trace_per_graph_and_one_handle_input(inner):
         (_, forward), (_, backward) = backend.kept_graphs
         inputs = [n for n in forward.graph.nodes if n.op == "placeholder"]
         assert len(inputs) == 6 and inputs[-1].meta["val"].dtype == torch.int64  # 2 weights, 2 biases, x, handle
-        read, step = torch.ops.fp8fx.delayed_scale.default, torch.ops.fp8fx.delayed_scale_steps.default
+        read, step = torch.ops.fp8fx.delayed_scales.default, torch.ops.fp8fx.delayed_scale_steps.default
         reads = [n for n in forward.graph.nodes if n.target == read]
-        assert len(reads) == 4 and all(r.args[0] is inputs[-1] for r in reads)  # x, w0, x1, w1
+        assert len(reads) == 1 and reads[0].args[0] is inputs[-1] and len(reads[0].args[1].split("\n")) == 4  # x, w0, x1, w1
         assert next(n for n in forward.graph.nodes if n.op != "placeholder") is reads[0]
         # Backward reads its gradients' states itself (the handle is saved), before it steps them.
-        order = [n.target for n in backward.graph.nodes if n.target in (read, step)]
-        assert order == [read] * 2 + [step]
+        order = [n for n in backward.graph.nodes if n.target in (read, step)]
+        assert [n.target for n in order] == [read, step] and len(order[0].args[1].split("\n")) == 2
 
 
 class _Block(nn.Module):
@@ -296,14 +298,14 @@ def test_state_ops_name_what_they_cannot_find():
     from fp8fx.ops import delayed
 
     with pytest.raises(RuntimeError, match="handle 1000000000 names no live model instance"):
-        torch.ops.fp8fx.delayed_scale(torch.tensor([10**9]), "a.output.input", torch.device("cpu"))
+        torch.ops.fp8fx.delayed_scales(torch.tensor([10**9]), "a.output.input", torch.device("cpu"))
     model = fp8fx.prepare(nn.Linear(4, 4))
     model.fp8fx_state.ensure("blocks.0.a.output.input", 4, torch.device("cpu"))
     instance = StateInstance(model.fp8fx_state, {"a.output.input": "blocks.0.a.output.input"})
     handle = delayed.register(instance)
-    assert torch.ops.fp8fx.delayed_scale(handle, "a.output.input", torch.device("cpu")).item() == 1.0
+    assert [v.item() for v in torch.ops.fp8fx.delayed_scales(handle, "a.output.input", torch.device("cpu"))] == [1.0, 1.0]
     with pytest.raises(RuntimeError, match="no delayed-scaling state 'b.output.input'"):
-        torch.ops.fp8fx.delayed_scale(handle, "b.output.input", torch.device("cpu"))
+        torch.ops.fp8fx.delayed_scales(handle, "a.output.input\nb.output.input", torch.device("cpu"))
 
 
 @pytest.mark.parametrize("calibrate", [False, True])
@@ -383,9 +385,13 @@ def test_batched_steps_match_one_state_at_a_time_in_a_fixed_number_of_ops():
         for _ in range(6):
             amaxes = []
             for _ in keys:
-                rows = torch.rand(int(torch.randint(1, 5, (), generator=gen)), generator=gen) * 2.0 ** int(torch.randint(-20, 20, (), generator=gen))
+                rows = torch.rand(int(torch.randint(1, 5, (), generator=gen)), generator=gen) * 2.0 ** int(
+                    torch.randint(-20, 20, (), generator=gen)
+                )
                 pick = torch.rand(rows.shape, generator=gen)
-                rows = torch.where(pick < 0.1, torch.tensor(float("nan")), torch.where(pick < 0.2, torch.tensor(float("inf")), rows))
+                rows = torch.where(
+                    pick < 0.1, torch.tensor(float("nan")), torch.where(pick < 0.2, torch.tensor(float("inf")), rows)
+                )
                 amaxes.append(torch.where(pick > 0.9, torch.zeros(()), rows))
             columns = [list(c) for c in zip(*(s[:-1] for s in chosen))]
             torch.ops.fp8fx.delayed_scale_steps(handle, "\n".join(keys), amaxes, *columns)
