@@ -132,6 +132,7 @@ class _Inserter:
             amax = self.add(fp8fx_ops.amax.default, (x, block), tag_from=tag_from) if delayed is None or update else None
             if spec.delayed is not None:
                 self.ctx.delayed_states[state_key] = spec.delayed.history_len
+            scale_inv = None  # the scale's inverse, where it comes with the scale
             if delayed is None:  # dynamic scaling (or an export, which casts with dynamic scales)
                 args = (amax, fmt.max, spec.margin, spec.power_of_two, spec.rounding)
                 scale = self.add(fp8fx_ops.amax_to_scale.default, args, tag_from=tag_from)
@@ -149,7 +150,7 @@ class _Inserter:
                 scale = self.add(fp8fx_ops.tap.default, tap_args, tag_from=tag_from)
                 scale_inv = None  # (the inverse of the scale the tap hands on)
             fp8 = self.add(fp8fx_ops.cast.default, (x, scale, fmt.dtype, block), tag_from=tag_from)
-            if delayed is None or scale_inv is None:
+            if scale_inv is None:
                 scale_inv = self.add(fp8fx_ops.scale_inverse.default, (scale,), tag_from=tag_from)
         if update:
             self.updates.setdefault(is_backward(tag_from), []).append((update_args, tag_from))
