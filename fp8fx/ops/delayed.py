@@ -56,8 +56,9 @@ def delayed_scales(handle: Tensor, keys: str, device: torch.device) -> list[Tens
     stacked tensor would reach Inductor's `_scaled_mm` lowering as a view, which it cannot
     reshape), copies (the states move on at the graph's end). Two multi-tensor kernels on a GPU
     however many states a graph reads."""
-    scales = [torch.empty((), device=device) for _ in keys.split("\n")]
-    torch._foreach_copy_(scales, [_state(handle, key).scale for key in keys.split("\n")])
+    states = [_state(handle, key) for key in keys.split("\n")]
+    scales = [torch.empty((), device=device) for _ in states]
+    torch._foreach_copy_(scales, [state.scale for state in states])
     return [value for pair in zip(scales, torch._foreach_reciprocal(scales)) for value in pair]
 
 

@@ -286,15 +286,15 @@ def decompose_nodes(graph: fx.Graph, decompositions: dict, also: dict | None = N
         before = set(graph.nodes)
         with graph.inserting_before(node):
             out = graph.graph_copy(trace.graph, dict(zip(placeholders, tensor_args)), return_output_node=False)
-        for new in graph.nodes:
-            if new not in before:  # the partitioners read the forward / backward tag
-                if reused and new.op == "call_function":  # each node its own fake value, as if traced here
-                    with fake_mode:
-                        new.meta["val"] = new.target(*node_values(new.args), **node_values(new.kwargs))
-                # An op lowered for Inductor needs only its side (the partitioners read it) and line
-                # (Inductor's provenance tracking cites it): modules were resolved before lowering.
-                copy_meta(node, new, ("partitioner_tag", "stack_trace"))
-                new.meta.update((meta or {}).get(node, {}))
+        added = [n for n in graph.nodes if n not in before]
+        for new in added:  # the partitioners read the forward / backward tag
+            if reused and new.op == "call_function":  # each node its own fake value, as if traced here
+                with fake_mode:
+                    new.meta["val"] = new.target(*node_values(new.args), **node_values(new.kwargs))
+            # An op lowered for Inductor needs only its side (the partitioners read it) and line
+            # (Inductor's provenance tracking cites it): modules were resolved before lowering.
+            copy_meta(node, new, ("partitioner_tag", "stack_trace"))
+            new.meta.update((meta or {}).get(node, {}))
         if isinstance(out, (tuple, list)):  # a multi-output op: its getitems become the outputs themselves
             for user in [u for u in node.users if u.target is operator.getitem]:
                 user.replace_all_uses_with(out[user.args[1]])
@@ -303,7 +303,7 @@ def decompose_nodes(graph: fx.Graph, decompositions: dict, also: dict | None = N
         graph.erase_node(node)
         # What the decomposition computes that nothing reads (a GEMM's empty aux and amax outputs):
         # Inductor would lower each one.
-        for new in reversed([n for n in graph.nodes if n not in before]):
+        for new in reversed(added):
             if new.op == "call_function" and not new.users and not new.is_impure():
                 graph.erase_node(new)
         replaced += 1

@@ -144,7 +144,7 @@ class _Inserter:
                     amax = self.add(torch.ops._c10d_functional.all_reduce.default, reduce, tag_from=tag_from)
                     amax = self.add(torch.ops._c10d_functional.wait_tensor.default, (amax,), tag_from=tag_from)
                 most_recent = d.algo is AmaxComputeAlgo.MOST_RECENT
-                update_args = (delayed.handle, state_key, amax, fmt.max, spec.margin, spec.power_of_two, most_recent, d.interval)
+                update_args = (state_key, amax, fmt.max, spec.margin, spec.power_of_two, most_recent, d.interval)
             if self.ctx.taps.monitor is not None:  # the runtime monitor samples what this cast receives
                 tap_args = (scale, [x], self.ctx.taps.monitor, Monitor.tap_key(state_key, fmt, block))
                 scale = self.add(fp8fx_ops.tap.default, tap_args, tag_from=tag_from)
@@ -166,9 +166,8 @@ class _Inserter:
         """One `fp8fx::delayed_scale_steps` per side (forward, backward) for the updates its casts
         made, at the graph's end: after every read of the states' old values."""
         for updates in self.updates.values():
-            handle = updates[0][0][0]
-            keys, *columns = zip(*(args[1:] for args, _ in updates))  # keys, amaxes, fp8_max, margin, ...
-            args = (handle, "\n".join(keys), *map(list, columns))
+            keys, *columns = zip(*(args for args, _ in updates))  # keys, amaxes, fp8_max, margin, ...
+            args = (self.ctx.delayed.handle, "\n".join(keys), *map(list, columns))
             with self.graph.inserting_before(self.output):
                 self.add(fp8fx_ops.delayed_scale_steps.default, args, tag_from=updates[0][1])
 

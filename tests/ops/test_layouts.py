@@ -51,9 +51,39 @@ def test_widen(layout, block):
     check_layout(ops.widen, ops.widen, (q, ops.scale_inverse(scale), torch.bfloat16, block), what=f"{layout} {block}")
 
 
-def test_delayed_scale_update():
-    args = (torch.rand(8), torch.ones(()), torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64), torch.tensor(3.0))
+@pytest.mark.parametrize("batch", [(), (3,)])
+def test_delayed_scale_update(batch):
+    args = (
+        torch.rand(*batch, 8),
+        torch.ones(batch),
+        torch.zeros(batch, dtype=torch.int64),
+        torch.zeros(batch, dtype=torch.int64),
+        torch.rand(batch) * 3,
+    )
     check_layout(ops.delayed_scale_update, ops.delayed_scale_update, (*args, 448.0, 0, False, False, 1))
+
+
+def test_delayed_state_ops():
+    """A graph's state read (each scale and its inverse, tensors of their own) and its state update."""
+    from types import SimpleNamespace
+
+    from fp8fx.ops import delayed
+
+    class States:
+        def state(self, key):
+            return self.states[key]
+
+    instance = States()
+    instance.states = {
+        key: SimpleNamespace(amax_history=torch.zeros(length), scale=torch.ones(()), steps=torch.zeros((), dtype=torch.int64),
+                             non_finite=torch.zeros((), dtype=torch.int64))
+        for key, length in (("a", 4), ("b", 4), ("c", 1))
+    }  # fmt: skip
+    handle = delayed.register(instance)
+    check_layout(ops.delayed_scales, ops.delayed_scales, (handle, "a\nb\nc", torch.device("cpu")))
+    amaxes = [torch.rand(5), torch.rand(()), torch.rand(2)]
+    settings = ([448.0, 57344.0, 448.0], [0, 0, 2], [False, True, False], [False, False, True], [1, 1, 3])
+    check_layout(ops.delayed_scale_steps, ops.delayed_scale_steps, (handle, "a\nb\nc", amaxes, *settings))
 
 
 def gemm_cases():
